@@ -1,0 +1,42 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: venv install install-dev demo test test-all lint assets clean
+
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@touch $@
+
+# torch is installed first and pinned so that pip takes the local CPU wheel
+# instead of resolving a multi-GB CUDA build.
+$(VENV)/.installed: $(VENV)/.created pyproject.toml
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e .
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+venv: $(VENV)/.created
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: install
+	$(PY) -m distill.train +exp=$(or $(EXP),diffusion)
+
+test: install-dev
+	$(PY) -m pytest -q
+
+test-all: install-dev
+	$(PY) -m pytest -q -m ""
+
+lint: install-dev
+	$(VENV)/bin/ruff check distill tests
+
+clean:
+	rm -rf outputs multirun .pytest_cache

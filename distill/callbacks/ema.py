@@ -1,0 +1,79 @@
+"""Exponential moving average of the student with a half-life counted in images (Karras et al. 2022, EDM)."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import torch
+
+
+def ema_beta(batch_images: int, half_life_images: float, seen_images: int, rampup_ratio: float | None) -> float:
+    """beta = 0.5 ** (batch / half_life); with ramp-up the half-life is at most rampup_ratio * seen images."""
+    half_life = half_life_images
+    if rampup_ratio is not None:
+        half_life = min(half_life, seen_images * rampup_ratio)
+    return 0.5 ** (batch_images / max(half_life, 1e-8))
+
+
+class EMA(L.Callback):
+    """Keeps ``ema`` = EMA of ``pl_module.<attr>``; validation and export use the EMA weights."""
+
+    def __init__(self, half_life_images: float = 20000, rampup_ratio: float | None = 0.05, attr: str = "student"):
+        self.half_life_images, self.rampup_ratio, self.attr = half_life_images, rampup_ratio, attr
+        self.ema: torch.nn.Module | None = None
+        self.seen_images = 0
+        self._pending_state: dict | None = None
+        self._backup: dict | None = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.ema = copy.deepcopy(getattr(pl_module, self.attr)).requires_grad_(False).eval()
+        if self._pending_state is not None:
+            self.ema.load_state_dict(self._pending_state)
+            self._pending_state = None
+
+    @torch.no_grad()
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        batch_images = batch["pixel_values"].shape[0] * trainer.world_size * trainer.accumulate_grad_batches
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        self.seen_images += batch_images
+        beta = ema_beta(batch_images, self.half_life_images, self.seen_images, self.rampup_ratio)
+        live = getattr(pl_module, self.attr).state_dict()
+        for name, value in self.ema.state_dict().items():
+            if value.dtype.is_floating_point:
+                value.lerp_(live[name].to(value.dtype), 1.0 - beta)
+            else:
+                value.copy_(live[name])
+
+    def _swap_in(self, pl_module) -> None:
+        module = getattr(pl_module, self.attr)
+        self._backup = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        module.load_state_dict(self.ema.state_dict())
+
+    def _swap_out(self, pl_module) -> None:
+        if self._backup is not None:
+            getattr(pl_module, self.attr).load_state_dict(self._backup)
+            self._backup = None
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self.ema is not None and not trainer.sanity_checking:
+            self._swap_in(pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._swap_out(pl_module)
+
+    def copy_to(self, pl_module) -> None:
+        """Replace the live weights with the EMA weights (used before export)."""
+        if self.ema is not None:
+            getattr(pl_module, self.attr).load_state_dict(self.ema.state_dict())
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.state_dict() if self.ema is not None else None, "seen_images": self.seen_images}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen_images = state["seen_images"]
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+        else:
+            self._pending_state = state["ema"]

@@ -1,0 +1,189 @@
+"""Dataclass schemas for every config group.
+
+Each YAML option starts from its schema (``defaults: [base_<name>, _self_]``), so Hydra rejects an
+unknown key, a wrong type or a missing ``???`` value at composition, naming the key, before any
+object is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass
+class DigitsDataConfig:
+    _target_: str = "distill.data.DigitsDataModule"
+    resolution: int = 16
+    batch_size: int = 128
+    eval_batch_size: int = 256
+    heldout_fraction: float = 0.2
+    split_seed: int = 0
+    num_workers: int = 0
+
+
+@dataclass
+class ImageFolderDataConfig:
+    _target_: str = "distill.data.ImageFolderDataModule"
+    root: str = MISSING
+    resolution: int = 32
+    channels: int = 3
+    batch_size: int = 32
+    eval_batch_size: int = 64
+    heldout_fraction: float = 0.1
+    split_seed: int = 0
+    caption_ext: str = ".txt"
+    default_caption: str = ""
+    skip_unreadable: bool = True
+    num_workers: int = 0
+
+
+@dataclass
+class WebDatasetDataConfig:
+    _target_: str = "distill.data.WebDatasetDataModule"
+    urls: str = MISSING
+    heldout_urls: Optional[str] = None
+    resolution: int = 32
+    channels: int = 3
+    batch_size: int = 32
+    eval_batch_size: int = 64
+    shuffle_buffer: int = 1000
+    seed: int = 0
+    num_workers: int = 0
+
+
+# ---------------------------------------------------------------- method
+
+
+@dataclass
+class DiffusionMethodConfig:
+    _target_: str = "distill.methods.diffusion.DiffusionTraining"
+    prediction_type: str = "epsilon"
+    cond_dropout: float = 0.1
+    timestep_sampler: str = "stratified"
+    loss_weighting: str = "min_snr"
+    snr_gamma: float = 5.0
+    noise_scheduler: Any = MISSING
+    conditioner: Any = MISSING
+    optimizer: Any = MISSING
+    lr_scheduler: Any = None
+
+
+# ---------------------------------------------------------------- student
+
+
+@dataclass
+class ClassUNetConfig:
+    _target_: str = "distill.models.unet.build_class_unet"
+    sample_size: int = MISSING
+    in_channels: int = 1
+    size: str = "tiny"
+    num_classes: int = 10
+
+
+# ---------------------------------------------------------------- sampling scheduler
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "ddim"
+    num_inference_steps: int = 50
+    guidance_scale: float = 2.0
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- trainer / checkpoint / paths
+
+
+@dataclass
+class TrainerConfig:
+    _target_: str = "lightning.pytorch.Trainer"
+    accelerator: str = "cpu"
+    devices: Any = 1
+    num_nodes: int = 1
+    strategy: Any = "auto"
+    precision: Any = "32-true"
+    max_steps: int = 3000
+    max_epochs: int = -1
+    max_time: Optional[str] = None
+    val_check_interval: Any = 500
+    check_val_every_n_epoch: Optional[int] = None
+    limit_train_batches: Any = None
+    limit_val_batches: Any = None
+    num_sanity_val_steps: int = 0
+    log_every_n_steps: int = 25
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: Optional[float] = 1.0
+    deterministic: Any = False
+    benchmark: Optional[bool] = None
+    fast_dev_run: Any = False
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = True
+    default_root_dir: Optional[str] = None
+
+
+@dataclass
+class CheckpointConfig:
+    _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
+    dirpath: str = MISSING
+    filename: str = "step_{step:07d}"
+    every_n_train_steps: int = 500
+    save_last: bool = True
+    save_top_k: int = 3
+    monitor: str = "step"
+    mode: str = "max"
+    auto_insert_metric_name: bool = False
+
+
+@dataclass
+class PathsConfig:
+    root_dir: str = MISSING
+    output_dir: str = MISSING
+    data_dir: str = MISSING
+
+
+# ---------------------------------------------------------------- top level
+
+
+@dataclass
+class TrainConfig:
+    data: Any = MISSING
+    method: Any = MISSING
+    teacher: Any = None
+    student: Any = MISSING
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    callbacks: Dict[str, Any] = field(default_factory=dict)
+    logger: Dict[str, Any] = field(default_factory=dict)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    exp_name: str = "diffusion"
+    seed: int = 0
+    ckpt_path: Optional[str] = None
+    export: bool = True
+    sample_grid_seeds: int = 8
+    tags: List[str] = field(default_factory=list)
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
+    "method": {"diffusion": DiffusionMethodConfig},
+    "student": {"class_unet": ClassUNetConfig},
+    "scheduler": {"scheduler": SchedulerConfig},
+    "trainer": {"trainer": TrainerConfig},
+    "checkpoint": {"checkpoint": CheckpointConfig},
+    "paths": {"paths": PathsConfig},
+}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_train", node=TrainConfig)
+    for group, nodes in SCHEMAS.items():
+        for name, node in nodes.items():
+            cs.store(group=group, name=f"base_{name}", node=node)

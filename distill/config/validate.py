@@ -1,0 +1,54 @@
+"""Cross-key checks that a schema cannot express, run before any object is built."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from distill.diffusion.losses import WEIGHTINGS
+from distill.diffusion.parametrization import PREDICTION_TYPES
+from distill.diffusion.timesteps import TIMESTEP_SAMPLERS
+from distill.inference.schedulers import SCHEDULERS
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not supported; use one of {sorted(allowed)}")
+
+
+def validate(cfg: DictConfig) -> None:
+    method = cfg.method
+    if "prediction_type" in method:
+        _choice("method.prediction_type", method.prediction_type, PREDICTION_TYPES)
+    if "timestep_sampler" in method:
+        _choice("method.timestep_sampler", method.timestep_sampler, TIMESTEP_SAMPLERS)
+    if "loss_weighting" in method:
+        _choice("method.loss_weighting", method.loss_weighting, WEIGHTINGS)
+    if "cond_dropout" in method and not 0.0 <= method.cond_dropout <= 1.0:
+        raise ConfigError(f"method.cond_dropout={method.cond_dropout} must be in [0, 1]")
+    _choice("scheduler.name", cfg.scheduler.name, SCHEDULERS)
+    if cfg.scheduler.num_inference_steps < 1:
+        raise ConfigError(f"scheduler.num_inference_steps={cfg.scheduler.num_inference_steps} must be >= 1")
+    if cfg.scheduler.guidance_scale < 0:
+        raise ConfigError(f"scheduler.guidance_scale={cfg.scheduler.guidance_scale} must be >= 0 (1 = no guidance)")
+    if cfg.trainer.max_steps == 0 or cfg.trainer.max_steps < -1:
+        raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be positive (or -1 with max_epochs)")
+    if cfg.checkpoint.every_n_train_steps < 1:
+        raise ConfigError(f"checkpoint.every_n_train_steps={cfg.checkpoint.every_n_train_steps} must be >= 1")
+    if cfg.checkpoint.save_top_k < -1:
+        raise ConfigError(f"checkpoint.save_top_k={cfg.checkpoint.save_top_k} must be >= -1 (-1 keeps all)")
+    if "batch_size" in cfg.data and cfg.data.batch_size < 1:
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size} must be >= 1")
+    if "resolution" in cfg.data and "sample_size" in cfg.student and cfg.student.sample_size != cfg.data.resolution:
+        raise ConfigError(
+            f"student.sample_size={cfg.student.sample_size} differs from data.resolution={cfg.data.resolution}; "
+            "leave student.sample_size at its default ${data.resolution}"
+        )
+    if cfg.ckpt_path not in (None, "last"):
+        from pathlib import Path
+
+        if not Path(cfg.ckpt_path).is_file():
+            raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a file; give a .ckpt file or 'last'")

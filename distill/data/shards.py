@@ -1,0 +1,77 @@
+"""Tar shards in the webdataset layout (``key.png`` + ``key.txt``) for data too large for a folder."""
+
+from __future__ import annotations
+
+import glob
+import io
+
+import lightning as L
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from distill.data.transforms import image_to_tensor
+
+IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
+
+
+def _expand(pattern: str) -> list[str]:
+    """Accept brace patterns (``shard-{000..009}.tar``, expanded by webdataset) or shell globs."""
+    if "{" in pattern:
+        import braceexpand
+
+        return list(braceexpand.braceexpand(pattern))
+    files = sorted(glob.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"data.urls={pattern!r} matches no shard; give a glob or brace pattern of .tar files")
+    return files
+
+
+class WebDatasetDataModule(L.LightningDataModule):
+    """Streams shards: shuffled by shard and in a buffer for training, in order for evaluation."""
+
+    def __init__(
+        self,
+        urls: str,
+        heldout_urls: str | None = None,
+        resolution: int = 32,
+        channels: int = 3,
+        batch_size: int = 32,
+        eval_batch_size: int = 64,
+        shuffle_buffer: int = 1000,
+        seed: int = 0,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        self.urls, self.heldout_urls = _expand(urls), _expand(heldout_urls) if heldout_urls else None
+        self.resolution, self.channels = resolution, channels
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.shuffle_buffer, self.seed, self.num_workers = shuffle_buffer, seed, num_workers
+
+    def _decode(self, sample: dict) -> dict:
+        key = next((k for k in IMAGE_KEYS if k in sample), None)
+        if key is None:
+            raise ValueError(f"shard sample {sample.get('__key__')!r} has no image ({', '.join(IMAGE_KEYS)})")
+        with Image.open(io.BytesIO(sample[key])) as image:
+            pixels = image_to_tensor(image, self.resolution, self.channels)
+        caption = sample["txt"].decode("utf-8").strip() if "txt" in sample else ""
+        label = int(sample["cls"].decode()) if "cls" in sample else -1
+        return {"pixel_values": pixels, "caption": caption, "label": label}
+
+    def _dataset(self, urls: list[str], train: bool):
+        import webdataset as wds
+
+        nodesplitter = wds.split_by_node if torch.distributed.is_available() and torch.distributed.is_initialized() else None
+        ds = wds.WebDataset(
+            urls, shardshuffle=len(urls) if train else False, seed=self.seed,
+            nodesplitter=nodesplitter, empty_check=False,
+        )
+        if train:
+            ds = ds.shuffle(self.shuffle_buffer, seed=self.seed)
+        return ds.map(self._decode)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self._dataset(self.urls, True), batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._dataset(self.heldout_urls or self.urls[:1], False), batch_size=self.eval_batch_size)

@@ -1,0 +1,40 @@
+"""Denoising losses and their SNR weightings."""
+
+from __future__ import annotations
+
+import torch
+
+WEIGHTINGS = ("none", "min_snr", "truncated_snr")
+
+
+def snr_weight(
+    snr_t: torch.Tensor, prediction_type: str, weighting: str = "none", gamma: float = 5.0
+) -> torch.Tensor:
+    """Per-example weight that turns the plain MSE of ``prediction_type`` into the chosen weighting.
+
+    ``min_snr``: Hang et al. 2023 (Min-SNR-gamma), an eps-MSE weighted by min(SNR, gamma)/SNR.
+    ``truncated_snr``: Salimans & Ho 2022 eq. 10, an x0-MSE weighted by max(SNR, 1).
+    Both are expressed in x0-MSE units (w_x0) and converted to the network's target:
+    MSE_eps = SNR * MSE_x0 and MSE_v = (SNR + 1) * MSE_x0.
+    """
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting={weighting!r} is not supported; use one of {WEIGHTINGS}")
+    if weighting == "none":
+        return torch.ones_like(snr_t)
+    if weighting == "min_snr":
+        w_x0 = torch.clamp(snr_t, max=gamma)
+    else:
+        w_x0 = torch.clamp(snr_t, min=1.0)
+    if prediction_type == "epsilon":
+        return w_x0 / snr_t
+    if prediction_type == "v_prediction":
+        return w_x0 / (snr_t + 1.0)
+    return w_x0
+
+
+def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted mean squared error: mean_n w_n * mean_{c,h,w} (pred - target)^2."""
+    per_example = (pred.float() - target.float()).pow(2).flatten(1).mean(1)  # (N,)
+    if weight is not None:
+        per_example = per_example * weight.flatten()
+    return per_example.mean()

@@ -1,0 +1,1 @@
+"""Sampling: scheduler factory, guided sampling loop."""

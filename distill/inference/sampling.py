@@ -1,0 +1,40 @@
+"""One guided sampling loop for every diffusers scheduler (Ho & Salimans 2022 classifier-free guidance)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from distill.models.conditioning import concat_conditions
+
+
+@torch.no_grad()
+def sample(
+    model: Callable[..., torch.Tensor],
+    scheduler,
+    noise: torch.Tensor,
+    cond: dict,
+    uncond: dict | None = None,
+    guidance_scale: float = 1.0,
+    num_inference_steps: int = 50,
+) -> torch.Tensor:
+    """Integrate from ``noise`` (N, C, H, W) to x0 with ``scheduler``; returns (N, C, H, W).
+
+    ``model(x, t, **cond)`` returns the network output in the scheduler's prediction type.
+    With guidance_scale != 1 the conditional and unconditional passes run as one batch:
+    out = out_uncond + w * (out_cond - out_uncond).
+    """
+    scheduler.set_timesteps(num_inference_steps, device=noise.device)
+    x = noise * scheduler.init_noise_sigma
+    guided = uncond is not None and guidance_scale != 1.0
+    both = concat_conditions(cond, uncond) if guided else cond
+    for t in scheduler.timesteps:
+        x_in = scheduler.scale_model_input(x, t)
+        if guided:
+            out_c, out_u = model(torch.cat([x_in, x_in]), t, **both).chunk(2)
+            out = out_u + guidance_scale * (out_c - out_u)
+        else:
+            out = model(x_in, t, **both)
+        x = scheduler.step(out, t, x).prev_sample
+    return x

@@ -1,0 +1,1 @@
+"""One LightningModule per objective; the math they call lives in distill.diffusion."""

@@ -1,0 +1,1 @@
+"""Networks: UNet factories, conditioning encoders, the denoiser wrapper."""

@@ -1,0 +1,76 @@
+"""diffusers UNets by size name (a name -> config table, as DiT does)."""
+
+from __future__ import annotations
+
+from diffusers import UNet2DConditionModel, UNet2DModel
+
+# Widths per resolution level; one attention level in the middle. "debug" is the CI model.
+UNET_SIZES: dict[str, dict] = {
+    "debug": {"block_out_channels": (16, 32), "layers_per_block": 1, "attention_head_dim": 8},
+    "tiny": {"block_out_channels": (32, 64, 64), "layers_per_block": 1, "attention_head_dim": 16},
+    "small": {"block_out_channels": (64, 128, 128), "layers_per_block": 2, "attention_head_dim": 32},
+    "base": {"block_out_channels": (128, 256, 256), "layers_per_block": 2, "attention_head_dim": 64},
+}
+
+
+def _size(size: str) -> dict:
+    if size not in UNET_SIZES:
+        raise ValueError(f"student.size={size!r} is unknown; use one of {sorted(UNET_SIZES)}")
+    return dict(UNET_SIZES[size])
+
+
+def build_class_unet(
+    sample_size: int, in_channels: int = 1, out_channels: int | None = None, size: str = "tiny", num_classes: int = 10
+) -> UNet2DModel:
+    """A class-conditional pixel/latent UNet; class index ``num_classes`` is the null (unconditional) class."""
+    spec = _size(size)
+    levels = len(spec["block_out_channels"])
+    if sample_size % 2 ** (levels - 1):
+        raise ValueError(
+            f"sample size {sample_size} is not divisible by 2**{levels - 1} (UNet size {size!r}); "
+            f"pick a resolution that is a multiple of {2 ** (levels - 1)}"
+        )
+    down = ["DownBlock2D"] * levels
+    up = ["UpBlock2D"] * levels
+    if levels > 1:
+        down[1], up[-2] = "AttnDownBlock2D", "AttnUpBlock2D"
+    return UNet2DModel(
+        sample_size=sample_size,
+        in_channels=in_channels,
+        out_channels=out_channels or in_channels,
+        block_out_channels=spec["block_out_channels"],
+        layers_per_block=spec["layers_per_block"],
+        attention_head_dim=spec["attention_head_dim"],
+        down_block_types=tuple(down),
+        up_block_types=tuple(up),
+        norm_num_groups=8,
+        num_class_embeds=num_classes + 1,
+    )
+
+
+def build_text_unet(
+    sample_size: int, in_channels: int = 4, out_channels: int | None = None, size: str = "tiny",
+    cross_attention_dim: int = 64,
+) -> UNet2DConditionModel:
+    """A Stable-Diffusion-style UNet conditioned by cross-attention on text-encoder hidden states."""
+    spec = _size(size)
+    levels = len(spec["block_out_channels"])
+    if sample_size % 2 ** (levels - 1):
+        raise ValueError(
+            f"sample size {sample_size} is not divisible by 2**{levels - 1} (UNet size {size!r}); "
+            f"pick a resolution that is a multiple of {2 ** (levels - 1)}"
+        )
+    down = ["CrossAttnDownBlock2D"] * (levels - 1) + ["DownBlock2D"]
+    up = ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * (levels - 1)
+    return UNet2DConditionModel(
+        sample_size=sample_size,
+        in_channels=in_channels,
+        out_channels=out_channels or in_channels,
+        block_out_channels=spec["block_out_channels"],
+        layers_per_block=spec["layers_per_block"],
+        attention_head_dim=spec["attention_head_dim"],
+        down_block_types=tuple(down),
+        up_block_types=tuple(up),
+        cross_attention_dim=cross_attention_dim,
+        norm_num_groups=8,
+    )

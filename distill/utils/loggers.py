@@ -1,0 +1,32 @@
+"""Logger helpers: wandb goes offline by itself when no API key is configured."""
+
+from __future__ import annotations
+
+import netrc
+import os
+
+from omegaconf import OmegaConf
+
+
+def wandb_offline() -> bool:
+    """Offline unless WANDB_MODE=online, or an API key is in WANDB_API_KEY or ~/.netrc."""
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode in ("offline", "disabled", "dryrun"):
+        return True
+    if mode == "online":
+        return False
+    if os.environ.get("WANDB_API_KEY"):
+        return False
+    try:
+        rc = netrc.netrc()
+        if rc.authenticators("api.wandb.ai"):
+            return False
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        pass
+    os.environ.setdefault("WANDB_MODE", "offline")
+    return True
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("distill.wandb_offline"):
+        OmegaConf.register_new_resolver("distill.wandb_offline", lambda: wandb_offline())
