@@ -56,6 +56,10 @@ def _instantiate_all(cfg: DictConfig):
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     callbacks.append(instantiate(cfg.checkpoint))
     loggers = [instantiate(c) for c in cfg.logger.values() if c is not None]
+    if not loggers:  # a learning-rate monitor has nowhere to write without a logger
+        from lightning.pytorch.callbacks import LearningRateMonitor
+
+        callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     return datamodule, method, trainer
 
@@ -83,16 +87,28 @@ def run(cfg: DictConfig) -> dict:
         _fail(run_dir, str(_root_cause(err)))
 
     if trainer.is_global_zero:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(job_cfg, resolve=True))
         n_params = sum(p.numel() for p in method.student.parameters())
         log.info("student: %s, %.2fM parameters; run directory %s", type(method.student).__name__, n_params / 1e6, run_dir)
 
-    trainer.fit(method, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-
-    if trainer.is_global_zero and not trainer.fast_dev_run:
-        _finish(cfg, run_dir, method, trainer)
+    try:
+        trainer.fit(method, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        if trainer.is_global_zero and not trainer.fast_dev_run:
+            _finish(cfg, run_dir, method, trainer)
+    finally:
+        _close_loggers(trainer)
     return metrics
+
+
+def _close_loggers(trainer) -> None:
+    """End wandb runs so that the next job in this process (a multirun sweep) starts its own."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger) and logger._experiment is not None:
+            logger._experiment.finish()
 
 
 def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:

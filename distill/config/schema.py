@@ -25,6 +25,7 @@ class DigitsDataConfig:
     heldout_fraction: float = 0.2
     split_seed: int = 0
     num_workers: int = 0
+    channels: int = 1
 
 
 @dataclass

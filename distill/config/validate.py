@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from distill.diffusion.losses import WEIGHTINGS
 from distill.diffusion.parametrization import PREDICTION_TYPES
@@ -19,7 +19,29 @@ def _choice(key: str, value, allowed) -> None:
         raise ConfigError(f"{key}={value!r} is not supported; use one of {sorted(allowed)}")
 
 
+def missing_keys(node, prefix: str = "") -> list[str]:
+    """Keys still at ``???``, found without resolving interpolations (the hydra node is skipped)."""
+    found = []
+    if isinstance(node, DictConfig):
+        items = [(k, f"{prefix}{k}") for k in node.keys() if not (prefix == "" and k == "hydra")]
+    elif isinstance(node, ListConfig):
+        items = [(i, f"{prefix[:-1]}[{i}].") for i in range(len(node))]
+    else:
+        return found
+    for key, full in items:
+        if OmegaConf.is_missing(node, key):
+            found.append(full.rstrip("."))
+        elif not OmegaConf.is_interpolation(node, key):
+            child = node._get_node(key)
+            if isinstance(child, (DictConfig, ListConfig)):
+                found += missing_keys(child, f"{full}.")
+    return found
+
+
 def validate(cfg: DictConfig) -> None:
+    missing = missing_keys(cfg)
+    if missing:
+        raise ConfigError(f"required value(s) missing: {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=...")
     method = cfg.method
     if "prediction_type" in method:
         _choice("method.prediction_type", method.prediction_type, PREDICTION_TYPES)

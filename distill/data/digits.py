@@ -60,15 +60,18 @@ class DigitsDataModule(L.LightningDataModule):
         heldout_fraction: float = 0.2,
         split_seed: int = 0,
         num_workers: int = 0,
+        channels: int = 1,
     ):
         super().__init__()
+        if channels not in (1, 3):
+            raise ValueError(f"data.channels={channels} is not supported; use 1 (grey) or 3 (grey replicated to RGB)")
         if resolution < 8:
             raise ValueError(f"data.resolution={resolution} is below the digits' native 8; use >= 8")
         if not 0.0 < heldout_fraction < 1.0:
             raise ValueError(f"data.heldout_fraction={heldout_fraction} must be in (0, 1)")
         self.resolution, self.batch_size, self.eval_batch_size = resolution, batch_size, eval_batch_size
         self.heldout_fraction, self.split_seed, self.num_workers = heldout_fraction, split_seed, num_workers
-        self.channels = 1
+        self.channels = channels
         self.train_set: DigitsDataset | None = None
         self.heldout_set: DigitsDataset | None = None
 
@@ -76,6 +79,7 @@ class DigitsDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         images, labels = load_digit_images(self.resolution)
+        images = images.expand(-1, self.channels, -1, -1).contiguous()
         train, heldout = split_indices(labels, self.heldout_fraction, self.split_seed)
         self.train_set = DigitsDataset(images[train], labels[train])
         self.heldout_set = DigitsDataset(images[heldout], labels[heldout])

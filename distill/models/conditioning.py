@@ -11,7 +11,10 @@ from torch import nn
 
 
 class ClassConditioner(nn.Module):
-    """Class labels for ``UNet2DModel(num_class_embeds=num_classes + 1)``; index num_classes is null."""
+    """Class labels for ``UNet2DModel(num_class_embeds=num_classes + 1)``; index num_classes is null.
+
+    Unlabelled examples (label -1, e.g. from an image folder) get the null class: unconditional training.
+    """
 
     def __init__(self, num_classes: int = 10):
         super().__init__()
@@ -19,8 +22,9 @@ class ClassConditioner(nn.Module):
 
     def forward(self, batch: dict, drop: torch.Tensor | None = None) -> dict:
         labels = torch.as_tensor(batch["label"]).long()
-        if (labels < 0).any() or (labels >= self.num_classes).any():
-            raise ValueError(f"labels must be in [0, {self.num_classes}); got {labels.unique().tolist()}")
+        if (labels < -1).any() or (labels >= self.num_classes).any():
+            raise ValueError(f"labels must be in [0, {self.num_classes}) or -1 (unlabelled); got {labels.unique().tolist()}")
+        labels = torch.where(labels < 0, torch.full_like(labels, self.num_classes), labels)
         if drop is not None:
             labels = torch.where(drop.to(labels.device), torch.full_like(labels, self.num_classes), labels)
         return {"class_labels": labels}

@@ -1,0 +1,43 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def run_train(*overrides: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
+    """Run ``python -m distill.train`` as users do; returns the CompletedProcess."""
+    full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "distill.train", *overrides],
+        cwd=cwd or ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture
+def compose():
+    """Compose the real train config with overrides, as Hydra would (no run directory)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from distill.config.schema import register_configs
+    from distill.utils.loggers import register_resolvers
+
+    register_configs()
+    register_resolvers()
+
+    def _compose(*overrides: str):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return hydra_compose(config_name="train", overrides=list(overrides), return_hydra_config=True)
+
+    return _compose

@@ -1,0 +1,42 @@
+"""The command line as users meet it: help, --cfg, and a clear early error for each kind of bad config."""
+
+import pytest
+
+from tests.conftest import run_train
+
+
+def test_help_lists_groups():
+    proc = run_train("--help")
+    assert proc.returncode == 0
+    for group in ("data", "method", "teacher", "student", "scheduler", "trainer", "callbacks", "logger", "checkpoint", "exp"):
+        assert f"{group}:" in proc.stdout, group
+
+
+def test_cfg_job_prints_composed_config():
+    proc = run_train("--cfg", "job", "+exp=debug")
+    assert proc.returncode == 0
+    assert "exp_name: debug" in proc.stdout and "max_steps: 4" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "overrides, code, needle",
+    [
+        (["trainer.max_step=3"], 1, "trainer.max_step"),  # typo: unknown key
+        (["data.batch_size=abc"], 1, "data.batch_size"),  # wrong type
+        (["method.cond_dropout=often"], 1, "method.cond_dropout"),
+        (["data=imagefolder"], 2, "data.root"),  # required value missing
+        (["method.prediction_type=flow"], 2, "method.prediction_type='flow'"),
+        (["scheduler.name=plms"], 2, "scheduler.name='plms'"),
+        (["method.cond_dropout=1.5"], 2, "method.cond_dropout=1.5"),
+        (["student.size=huge"], 2, "student.size='huge'"),
+        (["data.resolution=18"], 2, "not divisible"),
+        (["ckpt_path=/nonexistent/x.ckpt"], 2, "ckpt_path='/nonexistent/x.ckpt'"),
+        (["+exp=nonexistent"], 1, "nonexistent"),
+    ],
+)
+def test_bad_config_fails_early_and_writes_nothing(tmp_path, overrides, code, needle):
+    run_dir = tmp_path / "run"
+    proc = run_train(*overrides, f"hydra.run.dir={run_dir}", "logger=csv", timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert needle in proc.stderr
+    assert not run_dir.exists()
