@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# One node, N processes: Lightning picks up torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR).
+#   NPROC=8 bash launch/torchrun.sh +exp=consistency
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NPROC=${NPROC:-8}
+exec torchrun --standalone --nproc_per_node="$NPROC" -m distill.train \
+  trainer=ddp trainer.devices="$NPROC" hydra.run.dir="${RUN_DIR:-outputs/torchrun}" "$@"
