@@ -121,7 +121,9 @@ def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:
     if cfg.export:
         out = method.export(run_dir / "export")
         log.info("exported student to %s", out)
-    if cfg.sample_grid_seeds > 0:
+    from distill.methods.base import DistillMethod
+
+    if cfg.sample_grid_seeds > 0 and type(method).generate is not DistillMethod.generate:
         grid = run_dir / "samples" / "final.png"
         save_sample_grid(method, grid, cfg.sample_grid_seeds)
         log.info("sample grid: %s", grid)
