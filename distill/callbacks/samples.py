@@ -31,7 +31,9 @@ class SampleGrid(L.Callback):
         self.num_seeds, self.seed = num_seeds, seed
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        from distill.methods.base import DistillMethod
+
+        if trainer.sanity_checking or not trainer.is_global_zero or type(pl_module).generate is DistillMethod.generate:
             return
         out = Path(trainer.default_root_dir) / "samples" / f"step_{trainer.global_step:07d}.png"
         grid = save_sample_grid(pl_module, out, self.num_seeds, self.seed)
