@@ -38,6 +38,44 @@ def missing_keys(node, prefix: str = "") -> list[str]:
     return found
 
 
+def vae_factor(vae_cfg) -> int | None:
+    """Spatial down-sampling factor of a VAE config node, read from a local config.json (None if unknown)."""
+    import json
+    from pathlib import Path
+
+    path = vae_cfg.get("pretrained_model_name_or_path")
+    if path is None:
+        return None
+    config = Path(str(path)) / (vae_cfg.get("subfolder") or "") / "config.json"
+    if not config.is_file():
+        if Path(str(path)).exists():
+            raise ConfigError(f"method.vae.pretrained_model_name_or_path={str(path)!r} has no VAE config.json; point it at an AutoencoderKL folder")
+        return None
+    return 2 ** (len(json.loads(config.read_text())["block_out_channels"]) - 1)
+
+
+def _check_sizes(cfg: DictConfig) -> None:
+    resolution, sample_size = cfg.data.resolution, cfg.student.sample_size
+    vae = cfg.method.get("vae") if "vae" in cfg.method else None
+    if vae is None:
+        if sample_size != resolution:
+            raise ConfigError(
+                f"student.sample_size={sample_size} differs from data.resolution={resolution}; "
+                "a pixel-space model samples at the data resolution"
+            )
+        return
+    factor = vae_factor(vae)
+    if factor is None:
+        return
+    if resolution % factor:
+        raise ConfigError(f"data.resolution={resolution} is not divisible by the VAE factor {factor}; use a multiple of {factor}")
+    if sample_size * factor != resolution:
+        raise ConfigError(
+            f"student.sample_size={sample_size} does not match data.resolution={resolution} / VAE factor {factor}; "
+            f"set student.sample_size={resolution // factor}"
+        )
+
+
 def validate(cfg: DictConfig) -> None:
     missing = missing_keys(cfg)
     if missing:
@@ -64,11 +102,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint.save_top_k={cfg.checkpoint.save_top_k} must be >= -1 (-1 keeps all)")
     if "batch_size" in cfg.data and cfg.data.batch_size < 1:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size} must be >= 1")
-    if "resolution" in cfg.data and "sample_size" in cfg.student and cfg.student.sample_size != cfg.data.resolution:
-        raise ConfigError(
-            f"student.sample_size={cfg.student.sample_size} differs from data.resolution={cfg.data.resolution}; "
-            "leave student.sample_size at its default ${data.resolution}"
-        )
+    if "resolution" in cfg.data and "sample_size" in cfg.student:
+        _check_sizes(cfg)
     if cfg.ckpt_path not in (None, "last"):
         from pathlib import Path
 

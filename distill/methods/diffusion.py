@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from diffusers import DDPMPipeline
+from diffusers import DDPMPipeline, StableDiffusionPipeline
 from torch import nn
 
 from distill.diffusion import (
@@ -22,10 +22,15 @@ from distill.diffusion import (
 from distill.inference.sampling import sample
 from distill.inference.schedulers import make_scheduler
 from distill.methods.base import DistillMethod
+from distill.models.conditioning import TextConditioner
 
 
 class DiffusionTraining(DistillMethod):
-    """Trains ``student`` (a diffusers UNet) to denoise x_t = alpha_t x0 + sigma_t eps."""
+    """Trains ``student`` (a diffusers UNet) to denoise x_t = alpha_t x0 + sigma_t eps.
+
+    With a ``vae`` this is latent diffusion (Rombach et al. 2022): x0 = vae.encode(image) * scaling_factor,
+    and the frozen VAE decodes samples; with a text conditioner the export is a StableDiffusionPipeline.
+    """
 
     def __init__(
         self,
@@ -40,15 +45,17 @@ class DiffusionTraining(DistillMethod):
         loss_weighting: str = "min_snr",
         snr_gamma: float = 5.0,
         sampling: dict | None = None,
+        vae: nn.Module | None = None,
     ):
         super().__init__(optimizer, lr_scheduler)
-        self.save_hyperparameters(ignore=["student", "noise_scheduler", "conditioner", "optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["student", "noise_scheduler", "conditioner", "optimizer", "lr_scheduler", "vae"])
         if noise_scheduler.config.prediction_type != prediction_type:
             raise ValueError(
                 f"noise_scheduler.prediction_type={noise_scheduler.config.prediction_type!r} differs from "
                 f"method.prediction_type={prediction_type!r}; set them equal"
             )
         self.student = student
+        self.vae = vae.requires_grad_(False).eval() if vae is not None else None
         self.noise_scheduler = noise_scheduler
         self.conditioner = conditioner
         self.prediction_type = prediction_type
@@ -59,11 +66,32 @@ class DiffusionTraining(DistillMethod):
         self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.clone().float(), persistent=False)
         self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
 
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.vae is not None:
+            self.vae.eval()  # frozen
+        return self
+
     def denoise(self, x_t: torch.Tensor, t: torch.Tensor, **cond) -> torch.Tensor:
         return self.student(x_t, t, **cond).sample
 
+    @torch.no_grad()
+    def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Images (N, C, H, W) -> diffusion space: identity, or scaled VAE latents (N, 4, H/f, W/f)."""
+        if self.vae is None:
+            return pixels
+        dist = self.vae.encode(pixels).latent_dist
+        noise = torch.randn(dist.mean.shape, generator=generator).to(dist.mean)
+        return (dist.mean + dist.std * noise) * self.vae.config.scaling_factor
+
+    @torch.no_grad()
+    def decode(self, x0: torch.Tensor) -> torch.Tensor:
+        if self.vae is None:
+            return x0
+        return self.vae.decode(x0 / self.vae.config.scaling_factor).sample
+
     def loss(self, batch: dict, generator: torch.Generator | None = None, drop_conditions: bool = True) -> torch.Tensor:
-        x0 = batch["pixel_values"]  # (N, C, H, W)
+        x0 = self.encode(batch["pixel_values"], generator)  # (N, C, H, W)
         n = x0.shape[0]
         t = sample_timesteps(n, self.num_train_timesteps, self.timestep_sampler, generator, x0.device)
         eps = torch.randn(x0.shape, generator=generator).to(x0)
@@ -96,7 +124,7 @@ class DiffusionTraining(DistillMethod):
     @torch.no_grad()
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None) -> torch.Tensor:
-        n = len(batch["label"])
+        n = len(batch["caption"])
         c = self.student.config
         shape = (n, c.in_channels, c.sample_size, c.sample_size)
         noise = torch.randn(shape, generator=generator).to(self.device)
@@ -110,15 +138,24 @@ class DiffusionTraining(DistillMethod):
             num_inference_steps or self.sampling["num_inference_steps"],
         )
         self.student.train(was_training)
-        return images.clamp(-1, 1)
+        return self.decode(images).clamp(-1, 1)
 
     def export(self, out_dir: str | Path) -> Path:
-        """A diffusers ``DDPMPipeline`` folder (unet + sampling scheduler) plus the sampling defaults."""
+        """A diffusers folder: ``StableDiffusionPipeline`` for a text-conditioned latent model,
+        else ``DDPMPipeline`` (unet + sampling scheduler); plus the sampling defaults in distill.json."""
         out_dir = Path(out_dir)
-        DDPMPipeline(unet=self.student, scheduler=self.sampling_scheduler()).save_pretrained(out_dir)
-        (out_dir / "distill.json").write_text(json.dumps({
-            "method": "diffusion", "conditioning": "class", "num_classes": self.conditioner.num_classes,
-            "null_class": self.conditioner.num_classes, "prediction_type": self.prediction_type,
-            "sampling": self.sampling,
-        }, indent=2))
+        if isinstance(self.conditioner, TextConditioner) and self.vae is not None:
+            pipe = StableDiffusionPipeline(
+                vae=self.vae, text_encoder=self.conditioner.text_encoder, tokenizer=self.conditioner.tokenizer,
+                unet=self.student, scheduler=self.sampling_scheduler(), safety_checker=None,
+                feature_extractor=None, requires_safety_checker=False,
+            )
+            info = {"conditioning": "text"}
+        else:
+            pipe = DDPMPipeline(unet=self.student, scheduler=self.sampling_scheduler())
+            info = {"conditioning": "class", "num_classes": self.conditioner.num_classes,
+                    "null_class": self.conditioner.num_classes}
+        pipe.save_pretrained(out_dir)
+        info.update({"method": "diffusion", "prediction_type": self.prediction_type, "sampling": self.sampling})
+        (out_dir / "distill.json").write_text(json.dumps(info, indent=2))
         return out_dir

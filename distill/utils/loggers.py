@@ -27,6 +27,15 @@ def wandb_offline() -> bool:
     return True
 
 
+def _asset(name: str) -> str:
+    from distill.assets import asset_path
+
+    return str(asset_path(name))
+
+
 def register_resolvers() -> None:
+    """``${distill.wandb_offline:}`` and ``${distill.asset:NAME}`` (path of a shipped digits asset)."""
     if not OmegaConf.has_resolver("distill.wandb_offline"):
         OmegaConf.register_new_resolver("distill.wandb_offline", lambda: wandb_offline())
+    if not OmegaConf.has_resolver("distill.asset"):
+        OmegaConf.register_new_resolver("distill.asset", _asset)
