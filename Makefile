@@ -35,6 +35,10 @@ test: install-dev
 test-all: install-dev
 	$(PY) -m pytest -q -m ""
 
+# Retrain every shipped digits asset (classifier, VAE, CLIP, teacher) and copy it into the package.
+assets: install
+	$(PY) -m distill.assets.build
+
 lint: install-dev
 	$(VENV)/bin/ruff check distill tests
 
