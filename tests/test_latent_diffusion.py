@@ -65,3 +65,22 @@ def test_latent_diffusion_command_exports_stable_diffusion_pipeline(tiny_sd, tmp
     image = pipe("a handwritten digit seven", num_inference_steps=2, height=32, width=32, output_type="pt",
                  generator=torch.Generator().manual_seed(0)).images
     assert image.shape == (1, 1, 32, 32) and torch.isfinite(image).all()
+
+
+def test_sample_command_writes_grid(tiny_sd, tmp_path):
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    out = tmp_path / "grid.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distill.sample", f"pipeline={tiny_sd}", f"out={out}", "num_seeds=2",
+         "num_inference_steps=2", "sampler=dpmsolver", "prompts=[a handwritten digit one,two]"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert Image.open(out).size == (4 * (2 * 33 + 1), 4 * (2 * 33 + 1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.png"]  # nothing else written
+    bad = subprocess.run([sys.executable, "-m", "distill.sample", f"pipeline={tmp_path}"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "model_index.json" in bad.stderr
