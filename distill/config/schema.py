@@ -73,6 +73,39 @@ class DiffusionMethodConfig:
     conditioner: Any = MISSING
     optimizer: Any = MISSING
     lr_scheduler: Any = None
+    vae: Any = None
+
+
+@dataclass
+class CLIPMethodConfig:
+    _target_: str = "distill.methods.clip.CLIPTraining"
+    tokenizer: Any = MISSING
+    keep_caption_prob: float = 0.5
+    max_shift: int = 0
+    max_logit_scale: float = 100.0
+    optimizer: Any = MISSING
+    lr_scheduler: Any = None
+
+
+@dataclass
+class ClassifierMethodConfig:
+    _target_: str = "distill.methods.classifier.ClassifierTraining"
+    max_translate: float = 0.0625
+    max_rotate_deg: float = 10.0
+    max_scale: float = 0.1
+    label_smoothing: float = 0.0
+    optimizer: Any = MISSING
+    lr_scheduler: Any = None
+
+
+@dataclass
+class VAEMethodConfig:
+    _target_: str = "distill.methods.autoencoder.VAETraining"
+    recon_loss: str = "l1"
+    kl_weight: float = 1e-4
+    scale_max_batches: int = 64
+    optimizer: Any = MISSING
+    lr_scheduler: Any = None
 
 
 # ---------------------------------------------------------------- student
@@ -85,6 +118,55 @@ class ClassUNetConfig:
     in_channels: int = 1
     size: str = "tiny"
     num_classes: int = 10
+
+
+@dataclass
+class TextUNetConfig:
+    _target_: str = "distill.models.unet.build_text_unet"
+    sample_size: int = MISSING
+    in_channels: int = 4
+    size: str = "tiny"
+    cross_attention_dim: int = MISSING
+
+
+@dataclass
+class CLIPStudentConfig:
+    _target_: str = "distill.models.clip.build_clip_model"
+    model_max_length: int = 16
+    projection_dim: int = 64
+    text_hidden_size: int = 64
+    text_layers: int = 3
+    text_heads: int = 4
+    image_size: int = MISSING
+    patch_size: int = 8
+    num_channels: int = 1
+    vision_hidden_size: int = 64
+    vision_layers: int = 3
+    vision_heads: int = 4
+    mlp_ratio: int = 4
+
+
+@dataclass
+class DigitClassifierConfig:
+    _target_: str = "distill.models.classifier.DigitClassifier"
+    _convert_: str = "all"  # plain lists: the hub mixin writes the init arguments to config.json
+    in_channels: int = 1
+    channels: List[int] = field(default_factory=lambda: [32, 64, 64])
+    feature_dim: int = 128
+    num_classes: int = 10
+    resolution: int = MISSING
+    dropout: float = 0.2
+
+
+@dataclass
+class VAEStudentConfig:
+    _target_: str = "distill.models.vae.build_vae"
+    in_channels: int = 1
+    sample_size: int = MISSING
+    block_out_channels: List[int] = field(default_factory=lambda: [16, 32, 64])
+    layers_per_block: int = 1
+    latent_channels: int = 4
+    norm_num_groups: int = 8
 
 
 # ---------------------------------------------------------------- sampling scheduler
@@ -171,10 +253,44 @@ class TrainConfig:
     tags: List[str] = field(default_factory=list)
 
 
+@dataclass
+class SampleConfig:
+    pipeline: str = MISSING  # a diffusers pipeline folder or hub id
+    out: str = "samples.png"
+    prompts: Optional[List[str]] = None  # default: "a handwritten digit <word>" for 0-9
+    num_seeds: int = 8
+    seed: int = 0
+    sampler: Optional[str] = None  # a scheduler name (conf/scheduler); default: the pipeline's own
+    num_inference_steps: int = 50
+    guidance_scale: Optional[float] = None  # default: the pipeline's distill.json, else 1.0
+    upscale: int = 4
+
+
+@dataclass
+class EvaluateConfig:
+    pipeline: str = MISSING  # a diffusers pipeline folder or hub id
+    model_name: Optional[str] = None  # label in tables and plots; default: the folder name
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    schedulers: Optional[List[str]] = None  # several scheduler names in one sweep (overrides `scheduler`)
+    nfe: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 25, 50])  # sampling steps per row
+    num_per_class: int = 50
+    seed: int = 0
+    guidance_scale: Optional[float] = None  # default: the pipeline's distill.json, else 1.0
+    feature: str = "digits"  # FID features: digits | inception | a folder | a TorchScript file
+    clip: Optional[str] = MISSING  # CLIP model folder for the CLIP score (null: skip)
+    classifier: Optional[str] = MISSING  # digit classifier folder for prompt accuracy (null: skip)
+    resolution: int = 32  # of the real reference digits
+    grids: bool = True
+    grid_seeds: int = 4
+    cost_repeats: int = 3
+
+
 SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
-    "method": {"diffusion": DiffusionMethodConfig},
-    "student": {"class_unet": ClassUNetConfig},
+    "method": {"clip": CLIPMethodConfig, "diffusion": DiffusionMethodConfig, "classifier": ClassifierMethodConfig,
+               "vae": VAEMethodConfig},
+    "student": {"clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
+                "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig},
     "scheduler": {"scheduler": SchedulerConfig},
     "trainer": {"trainer": TrainerConfig},
     "checkpoint": {"checkpoint": CheckpointConfig},
@@ -185,6 +301,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=TrainConfig)
+    cs.store(name="base_sample", node=SampleConfig)
+    cs.store(name="base_evaluate", node=EvaluateConfig)
     for group, nodes in SCHEMAS.items():
         for name, node in nodes.items():
             cs.store(group=group, name=f"base_{name}", node=node)

@@ -117,13 +117,16 @@ class DiffusionTraining(DistillMethod):
         self.log("val/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0], sync_dist=True)
         return loss
 
-    def sampling_scheduler(self):
+    def sampling_scheduler(self, name: str | None = None):
+        """The configured sampling scheduler, or another one by ``name`` (with its default options)."""
+        if name is not None and name != self.sampling["name"]:
+            return make_scheduler(name, self.noise_scheduler.config)
         options = dict(self.sampling.get("options") or {})
         return make_scheduler(self.sampling["name"], self.noise_scheduler.config, **options)
 
     @torch.no_grad()
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
-                 guidance_scale: float | None = None) -> torch.Tensor:
+                 guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
         n = len(batch["caption"])
         c = self.student.config
         shape = (n, c.in_channels, c.sample_size, c.sample_size)
@@ -133,7 +136,7 @@ class DiffusionTraining(DistillMethod):
         was_training = self.student.training
         self.student.eval()
         images = sample(
-            self.denoise, self.sampling_scheduler(), noise, cond, uncond,
+            self.denoise, self.sampling_scheduler(scheduler), noise, cond, uncond,
             guidance_scale if guidance_scale is not None else self.sampling["guidance_scale"],
             num_inference_steps or self.sampling["num_inference_steps"],
         )

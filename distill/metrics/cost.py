@@ -1,0 +1,130 @@
+"""The cost axis: network evaluations, latency, throughput, peak memory, FLOPs and parameters."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class NFECounter:
+    """Counts forward calls of a network, and the examples passing through them, with a forward hook
+    (the network itself is not wrapped, so pipelines that inspect it keep working)."""
+
+    def __init__(self, module: nn.Module):
+        self.calls = 0
+        self.examples = 0
+        self._handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        sample = args[0] if args else kwargs["sample"]
+        self.calls += 1
+        self.examples += sample.shape[0]
+
+    def reset(self) -> None:
+        self.calls = self.examples = 0
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+@dataclass
+class Cost:
+    nfe: float  # network evaluations per image (a CFG step batches 2 evaluations: counted as 2)
+    latency_s: float  # seconds per image at this batch size (median over repeats)
+    images_per_s: float
+    peak_memory_mb: float
+    gflops_per_image: float
+    params_m: float
+    active_params_m: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _PeakRSS:
+    """Peak resident memory of this process while active (CPU), sampled every millisecond."""
+
+    def __enter__(self):
+        import psutil
+
+        self.process, self.peak, self.stop = psutil.Process(), 0, threading.Event()
+        self.base = self.process.memory_info().rss
+
+        def watch():
+            while not self.stop.is_set():
+                self.peak = max(self.peak, self.process.memory_info().rss)
+                time.sleep(0.001)
+
+        self.thread = threading.Thread(target=watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+    @property
+    def delta_mb(self) -> float:
+        return max(0, self.peak - self.base) / 2**20
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """Total FLOPs of one call of ``fn`` (torch.utils.flop_counter: matmuls and convolutions)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def measure_cost(
+    generate: Callable[[], torch.Tensor],
+    counter: NFECounter,
+    batch_size: int,
+    params: int,
+    active_params: int | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    device: torch.device | str = "cpu",
+) -> Cost:
+    """Run ``generate`` (one batch of ``batch_size`` images) warm-up + ``repeats`` times; median latency."""
+    for _ in range(warmup):
+        generate()
+    counter.reset()
+    generate()
+    nfe = counter.examples / batch_size
+    cuda = torch.device(device).type == "cuda"
+    timings = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    with _PeakRSS() as rss:
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            generate()
+            if cuda:
+                torch.cuda.synchronize(device)
+            timings.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda else rss.delta_mb
+    batch_seconds = statistics.median(timings)
+    flops = count_flops(generate)
+    return Cost(
+        nfe=nfe, latency_s=batch_seconds / batch_size, images_per_s=batch_size / batch_seconds,
+        peak_memory_mb=peak, gflops_per_image=flops / batch_size / 1e9, params_m=params / 1e6,
+        active_params_m=(active_params if active_params is not None else params) / 1e6,
+    )
