@@ -46,22 +46,27 @@ class EMA(L.Callback):
             else:
                 value.copy_(live[name])
 
-    def _swap_in(self, pl_module) -> None:
+    @property
+    def swapped_out(self) -> bool:
+        """True while the live (not the EMA) weights are in the module."""
+        return self._backup is None
+
+    def swap_in(self, pl_module) -> None:
         module = getattr(pl_module, self.attr)
         self._backup = {k: v.detach().clone() for k, v in module.state_dict().items()}
         module.load_state_dict(self.ema.state_dict())
 
-    def _swap_out(self, pl_module) -> None:
+    def swap_out(self, pl_module) -> None:
         if self._backup is not None:
             getattr(pl_module, self.attr).load_state_dict(self._backup)
             self._backup = None
 
     def on_validation_start(self, trainer, pl_module) -> None:
         if self.ema is not None and not trainer.sanity_checking:
-            self._swap_in(pl_module)
+            self.swap_in(pl_module)
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self._swap_out(pl_module)
+        self.swap_out(pl_module)
 
     def copy_to(self, pl_module) -> None:
         """Replace the live weights with the EMA weights (used before export)."""

@@ -64,8 +64,10 @@ class QualityCostEvaluator:
     """Fixed prompts and seeds; FID against a reference set; CLIP score; classifier prompt accuracy; cost."""
 
     def __init__(self, fid, clip_model=None, clip_tokenizer=None, classifier=None, num_per_class: int = 50,
-                 seed: int = 0, batch_size: int = 250, cost_batch_size: int = 10, cost_repeats: int = 3):
+                 seed: int = 0, batch_size: int = 250, cost_batch_size: int = 10, cost_repeats: int = 3,
+                 resolution: int = 32):
         self.fid, self.clip_model, self.clip_tokenizer, self.classifier = fid, clip_model, clip_tokenizer, classifier
+        self.resolution = resolution
         self.captions, self.labels = digit_prompts(num_per_class)
         self.seed, self.batch_size = seed, batch_size
         self.cost_batch_size, self.cost_repeats = cost_batch_size, cost_repeats
@@ -84,6 +86,9 @@ class QualityCostEvaluator:
     def quality(self, images: torch.Tensor) -> dict:
         from distill.metrics.clip_score import clip_score
 
+        if images.shape[-1] != self.resolution:  # judge every model at the reference resolution
+            images = torch.nn.functional.interpolate(images, size=(self.resolution, self.resolution), mode="bilinear",
+                                                     align_corners=False, antialias=True)
         row = {"fid": self.fid(images)}
         if self.clip_model is not None:
             scores = torch.cat([clip_score(self.clip_model, self.clip_tokenizer, images[i:i + 500], self.captions[i:i + 500])

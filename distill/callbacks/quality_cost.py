@@ -1,0 +1,162 @@
+"""Quality-cost evaluation during training: FID / CLIP / prompt accuracy / cost of the student for each
+(scheduler, steps) pair, the teacher's rows once, a table and a Pareto plot for every logger."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+
+
+class QualityCostCallback(L.Callback):
+    """Every ``every_n_steps`` training steps and at the end of training."""
+
+    def __init__(
+        self,
+        every_n_steps: int = 1000,
+        schedulers: tuple[str, ...] = ("ddim",),
+        nfe: tuple[int, ...] = (1, 2, 4),
+        guidance_scale: float | None = None,
+        teacher: str | None = None,
+        teacher_schedulers: tuple[str, ...] = ("ddim",),
+        teacher_nfe: tuple[int, ...] = (1, 2, 4, 50),
+        teacher_guidance_scale: float | None = None,
+        num_per_class: int = 20,
+        seed: int = 0,
+        feature: str = "digits",
+        clip: str | None = None,
+        classifier: str | None = None,
+        resolution: int = 32,
+        measure_cost: bool = True,
+    ):
+        self.every_n_steps, self.schedulers, self.nfe = every_n_steps, list(schedulers), list(nfe)
+        self.guidance_scale = guidance_scale
+        self.teacher, self.teacher_schedulers, self.teacher_nfe = teacher, list(teacher_schedulers), list(teacher_nfe)
+        self.teacher_guidance_scale = teacher_guidance_scale
+        self.num_per_class, self.seed, self.feature = num_per_class, seed, feature
+        self.clip, self.classifier, self.resolution, self.measure_cost = clip, classifier, resolution, measure_cost
+        self.teacher_rows: list[dict] = []
+        self.history: list[dict] = []
+        self._evaluator = None
+        self._floor: float | None = None
+        self._last_step = -1
+
+    # ------------------------------------------------------------------ setup
+
+    def _build(self):
+        from transformers import CLIPModel, CLIPTokenizer
+
+        from distill.metrics.fid import FID
+        from distill.metrics.quality_cost import QualityCostEvaluator, heldout_reference, real_data_floor
+        from distill.models.classifier import DigitClassifier
+
+        fid = FID(self.feature)
+        reference, key = heldout_reference(self.resolution)
+        fid.set_reference(reference, key)
+        clip_model = CLIPModel.from_pretrained(self.clip).eval() if self.clip else None
+        clip_tok = CLIPTokenizer.from_pretrained(self.clip) if self.clip else None
+        classifier = DigitClassifier.from_pretrained(self.classifier).eval() if self.classifier else None
+        self._evaluator = QualityCostEvaluator(fid, clip_model, clip_tok, classifier, self.num_per_class, self.seed,
+                                               resolution=self.resolution)
+        self._floor = real_data_floor(fid, len(self._evaluator.captions), self.resolution)
+
+    def _teacher_rows(self) -> list[dict]:
+        if self.teacher is None or self.teacher_rows:
+            return self.teacher_rows
+        from distill.metrics.quality_cost import PipelineSampler
+        from distill.sample import load_pipeline, pipeline_defaults
+
+        sampler = PipelineSampler(load_pipeline(self.teacher))
+        guidance = self.teacher_guidance_scale
+        if guidance is None:
+            guidance = pipeline_defaults(self.teacher).get("guidance_scale", 1.0)
+        for name in self.teacher_schedulers:
+            for steps in self.teacher_nfe:
+                row, _ = self._evaluator.evaluate(sampler, "teacher", name, steps, guidance, self.measure_cost)
+                self.teacher_rows.append(row)
+        return self.teacher_rows
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.every_n_steps > 0 and trainer.global_step % self.every_n_steps == 0 and trainer.global_step > 0:
+            self.run(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.run(trainer, pl_module)
+
+    @torch.no_grad()
+    def run(self, trainer, pl_module) -> list[dict]:
+        if not trainer.is_global_zero or trainer.global_step == self._last_step or trainer.sanity_checking:
+            return []
+        from distill.metrics.quality_cost import MethodSampler, plot_pareto, write_csv
+
+        from distill.callbacks.ema import EMA
+
+        self._last_step = trainer.global_step
+        if self._evaluator is None:
+            self._build()
+        teacher_rows = self._teacher_rows()
+        sampler = MethodSampler(pl_module)
+        # Judge the EMA weights when an EMA is kept (they are what gets exported).
+        ema = next((c for c in trainer.callbacks if isinstance(c, EMA) and c.ema is not None), None)
+        swap = ema is not None and ema.swapped_out
+        if swap:
+            ema.swap_in(pl_module)
+        rows = []
+        try:
+            for name in self.schedulers:
+                for steps in self.nfe:
+                    row, _ = self._evaluator.evaluate(sampler, "student", name, steps, self.guidance_scale,
+                                                      self.measure_cost)
+                    row["step"] = trainer.global_step
+                    rows.append(row)
+        finally:
+            if swap:
+                ema.swap_out(pl_module)
+        self.history.extend(rows)
+        run_dir = Path(trainer.default_root_dir)
+        csv_path = run_dir / "quality_cost.csv"
+        first = not csv_path.exists()
+        write_csv(([dict(r, step=trainer.global_step) for r in teacher_rows] if first else []) + rows, csv_path, append=True)
+        plot = plot_pareto(teacher_rows + rows, run_dir / "plots" / f"pareto_step_{trainer.global_step:07d}.png",
+                           title=f"step {trainer.global_step}: FID vs latency", floor=self._floor)
+        self._log(trainer, rows, teacher_rows, plot)
+        return rows
+
+    def _log(self, trainer, rows: list[dict], teacher_rows: list[dict], plot: Path) -> None:
+        from PIL import Image
+
+        from distill.metrics.quality_cost import COLUMNS, format_table
+
+        metrics = {}
+        for r in rows:
+            tag = f"{r['scheduler']}-{r['steps']}"
+            metrics[f"val/fid@{tag}"] = r["fid"]
+            for key in ("clip_score", "prompt_accuracy", "latency_s"):
+                if key in r:
+                    metrics[f"val/{key}@{tag}"] = r[key]
+        metrics["val/fid_floor"] = self._floor
+        table = format_table(teacher_rows + rows, self._floor)
+        image = Image.open(plot).convert("RGB")
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+            if hasattr(logger, "log_table"):  # wandb
+                cols = [c for c in COLUMNS if any(c in r for r in rows)]
+                logger.log_table("quality_cost", columns=cols,
+                                 data=[[r.get(c) for c in cols] for r in teacher_rows + rows], step=trainer.global_step)
+                logger.log_image("pareto", images=[image], step=trainer.global_step)
+            elif hasattr(logger, "experiment") and hasattr(logger.experiment, "add_text"):  # TensorBoard
+                import numpy as np
+
+                logger.experiment.add_text("quality_cost", table, trainer.global_step)
+                logger.experiment.add_image("pareto", np.asarray(image), trainer.global_step, dataformats="HWC")
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {"teacher_rows": self.teacher_rows, "history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.teacher_rows, self.history = list(state["teacher_rows"]), list(state["history"])
