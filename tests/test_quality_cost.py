@@ -1,0 +1,88 @@
+"""The quality-cost sweep end to end: `distill.evaluate` on a pipeline folder, and the training callback."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import run_train
+from tests.sd_tiny import write_tiny_sd
+
+
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory):
+    return write_tiny_sd(tmp_path_factory.mktemp("sd") / "pipe")
+
+
+def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
+    out = tmp_path / "eval"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distill.evaluate", f"pipeline={tiny_sd}", "schedulers=[ddim,euler]", "nfe=[1,2]",
+         "num_per_class=2", "cost_repeats=1", "model_name=tiny", f"hydra.run.dir={out}"],
+        capture_output=True, text=True, env={**__import__("os").environ, "HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out / "quality_cost.csv")))
+    assert [(r["scheduler"], r["steps"]) for r in rows] == [("ddim", "1"), ("ddim", "2"), ("euler", "1"), ("euler", "2")]
+    for r in rows:
+        # Guidance 1.0 (no distill.json): one evaluation per step and image, counted by the hook.
+        assert float(r["nfe"]) == float(r["steps"])
+        assert float(r["fid"]) > 0 and 0 <= float(r["prompt_accuracy"]) <= 1 and float(r["gflops_per_image"]) > 0
+    assert (out / "pareto.png").stat().st_size > 1000
+    assert len(list((out / "grids").glob("tiny-*.png"))) == 4
+    protocol = json.loads((out / "protocol.json").read_text())
+    assert protocol["num_samples"] == 20 and protocol["real_data_floor"] > 0
+    assert "real-data floor" in proc.stdout
+    # The reference statistics were cached under $HOME for the next run.
+    assert list((tmp_path / ".cache" / "distill" / "fid_reference").glob("*.pt"))
+
+
+def test_evaluate_rejects_bad_input(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={tmp_path}", f"hydra.run.dir={tmp_path / 'o'}"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "model_index.json" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", "schedulers=[plms]", f"hydra.run.dir={tmp_path / 'o'}"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "plms" in proc.stderr
+
+
+def test_cfg_doubles_counted_nfe(tiny_sd):
+    from diffusers import StableDiffusionPipeline
+
+    from distill.metrics.cost import NFECounter
+    from distill.metrics.quality_cost import PipelineSampler
+
+    sampler = PipelineSampler(StableDiffusionPipeline.from_pretrained(tiny_sd))
+    with NFECounter(sampler.unet) as counter:
+        sampler(["a handwritten digit one"] * 3, torch.ones(3), "ddim", 4, 3.0, torch.Generator().manual_seed(0))
+    assert counter.calls == 4 and counter.examples == 3 * 4 * 2
+
+
+def test_quality_cost_callback_during_training(tiny_sd, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        "+exp=teacher", f"method.vae.pretrained_model_name_or_path={tiny_sd / 'vae'}",
+        f"method.conditioner.text_encoder.pretrained_model_name_or_path={tiny_sd / 'text_encoder'}",
+        f"method.conditioner.tokenizer.pretrained_model_name_or_path={tiny_sd / 'tokenizer'}",
+        "student.size=debug", "student.cross_attention_dim=32", "data.batch_size=8", "trainer.max_steps=4",
+        "trainer.val_check_interval=4", "trainer.limit_val_batches=1", "checkpoint.every_n_train_steps=4",
+        "callbacks=[default,quality_cost]", "callbacks.quality_cost.every_n_steps=2",
+        "callbacks.quality_cost.nfe=[1,2]", f"callbacks.quality_cost.teacher={tiny_sd}",
+        "callbacks.quality_cost.teacher_nfe=[2]", "callbacks.quality_cost.num_per_class=1",
+        "callbacks.samples=null", "sample_grid_seeds=0", "logger=[csv,tensorboard]", f"hydra.run.dir={run_dir}",
+        env={"HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(run_dir / "quality_cost.csv")))
+    # teacher once, then the student at steps 2 and 4 (the end), each at NFE 1 and 2
+    assert [(r["model"], r["steps"], r["step"]) for r in rows] == [
+        ("teacher", "2", "2"), ("student", "1", "2"), ("student", "2", "2"), ("student", "1", "4"), ("student", "2", "4")]
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["pareto_step_0000002.png", "pareto_step_0000004.png"]
+    metrics = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    assert any(r.get("val/fid@ddim-2") for r in metrics) and any(r.get("val/fid_floor") for r in metrics)
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("QualityCost"))
+    assert len(state["teacher_rows"]) == 1
