@@ -1,0 +1,68 @@
+"""A small digit classifier CNN whose penultimate layer is the FID feature space of the digits world.
+
+For MNIST-like data a domain classifier replaces Inception-v3 as the FID feature network (e.g. the
+"MNIST FID" of many GAN papers): Inception features of 32x32 grey digits say little about them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
+from torch import nn
+
+
+def _conv_block(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
+
+
+class DigitClassifier(nn.Module, PyTorchModelHubMixin):
+    """Conv-BN-ReLU stages with max pooling, global average pooling, a feature layer, then logits.
+
+    Input: (N, C, H, W) in [-1, 1]; any other H, W is resized to ``resolution`` first, so that the
+    same network scores 16x16 and 32x32 samples. ``save_pretrained`` / ``from_pretrained`` come from
+    the hub mixin (config.json + model.safetensors).
+    """
+
+    def __init__(
+        self,
+        in_channels: int = 1,
+        channels: tuple[int, ...] | list[int] = (32, 64, 64),
+        feature_dim: int = 128,
+        num_classes: int = 10,
+        resolution: int = 32,
+        dropout: float = 0.2,
+    ):
+        super().__init__()
+        self.in_channels, self.resolution = in_channels, resolution
+        self.feature_dim, self.num_classes = feature_dim, num_classes
+        layers: list[nn.Module] = []
+        c_prev = in_channels
+        for i, c in enumerate(channels):
+            layers.append(_conv_block(c_prev, c))
+            if i > 0:  # a second conv per stage after the first: more depth where the maps are small
+                layers.append(_conv_block(c, c))
+            layers.append(nn.MaxPool2d(2))
+            c_prev = c
+        self.body = nn.Sequential(*layers)
+        self.feature = nn.Sequential(nn.Linear(c_prev, feature_dim), nn.ReLU(inplace=True))
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(feature_dim, num_classes))
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != self.in_channels:
+            if self.in_channels == 1:  # RGB samples of grey digits: score their luminance
+                x = x.mean(dim=1, keepdim=True)
+            else:
+                raise ValueError(f"expected {self.in_channels} channels, got {x.shape[1]}")
+        if x.shape[-2:] != (self.resolution, self.resolution):
+            x = F.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear", align_corners=False)
+        return x
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Penultimate-layer features (N, feature_dim), the space in which FID is measured."""
+        h = self.body(self._prepare(x))
+        return self.feature(h.mean(dim=(2, 3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits (N, num_classes)."""
+        return self.head(self.features(x))
