@@ -52,7 +52,8 @@ def _instantiate_all(cfg: DictConfig):
     extra = {"student": student, "sampling": OmegaConf.to_container(cfg.scheduler, resolve=True)}
     if cfg.teacher:  # teacher=none composes to an empty node
         extra["teacher"] = instantiate(cfg.teacher)
-    method = instantiate(cfg.method, _convert_="all", **extra)
+    # objects are passed after instantiation: Hydra would turn a dataclass argument into a config node
+    method = instantiate(cfg.method, _partial_=True, _convert_="all")(**extra)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     callbacks.append(instantiate(cfg.checkpoint))
     loggers = [instantiate(c) for c in cfg.logger.values() if c is not None]

@@ -108,7 +108,53 @@ class VAEMethodConfig:
     lr_scheduler: Any = None
 
 
+@dataclass
+class ConsistencyMethodConfig:
+    _target_: str = "distill.methods.consistency.LatentConsistencyDistillation"
+    num_ddim_timesteps: int = 50
+    guidance_scale_min: float = 2.0
+    guidance_scale_max: float = 6.0
+    ema_decay: float = 0.95
+    loss_type: str = "pseudo_huber"
+    huber_c: float = 0.001
+    timestep_scaling: float = 10.0
+    sigma_data: float = 0.5
+    cache_prompts: bool = True
+    optimizer: Any = MISSING
+    lr_scheduler: Any = None
+
+
+# ---------------------------------------------------------------- teacher
+
+
+@dataclass
+class TeacherConfig:
+    _target_: str = "distill.models.teacher.load_teacher"
+    pretrained_model_name_or_path: str = MISSING
+    revision: Optional[str] = None
+    variant: Optional[str] = None
+    torch_dtype: Optional[str] = None
+
+
 # ---------------------------------------------------------------- student
+
+
+@dataclass
+class CopyStudentConfig:
+    _target_: str = "distill.models.students.copy_student"
+    _partial_: bool = True
+    time_cond_proj_dim: Optional[int] = 256
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class LoraStudentConfig:
+    _target_: str = "distill.models.students.lora_student"
+    _partial_: bool = True
+    rank: int = 8
+    alpha: Optional[float] = None
+    gradient_checkpointing: bool = False
+
 
 
 @dataclass
@@ -288,8 +334,9 @@ class EvaluateConfig:
 SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
     "method": {"clip": CLIPMethodConfig, "diffusion": DiffusionMethodConfig, "classifier": ClassifierMethodConfig,
-               "vae": VAEMethodConfig},
-    "student": {"clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
+               "vae": VAEMethodConfig, "consistency": ConsistencyMethodConfig},
+    "teacher": {"teacher": TeacherConfig},
+    "student": {"copy": CopyStudentConfig, "lora": LoraStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
                 "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig},
     "scheduler": {"scheduler": SchedulerConfig},
     "trainer": {"trainer": TrainerConfig},

@@ -76,6 +76,32 @@ def _check_sizes(cfg: DictConfig) -> None:
         )
 
 
+def _check_teacher(cfg: DictConfig) -> None:
+    """A local teacher must be a SD-format pipeline with a supported prediction type, and the data
+    resolution must fit its VAE; hub ids are checked when loaded."""
+    from pathlib import Path
+
+    from distill.models.teacher import check_pipeline_folder
+
+    path = Path(str(cfg.teacher.pretrained_model_name_or_path))
+    if not path.exists():
+        if str(path).startswith(("/", ".", "~")) or str(path).count("/") != 1:
+            raise ConfigError(
+                f"teacher.pretrained_model_name_or_path={str(path)!r} is neither a local folder nor a hub id (owner/name)"
+            )
+        return
+    try:
+        check_pipeline_folder(path)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(str(err)) from err
+    factor = vae_factor({"pretrained_model_name_or_path": str(path), "subfolder": "vae"})
+    resolution = cfg.data.get("resolution")
+    if factor and resolution and resolution % factor:
+        raise ConfigError(
+            f"data.resolution={resolution} is not divisible by the teacher's VAE factor {factor}; use a multiple of {factor}"
+        )
+
+
 def validate(cfg: DictConfig) -> None:
     missing = missing_keys(cfg)
     if missing:
@@ -104,6 +130,21 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size} must be >= 1")
     if "resolution" in cfg.data and "sample_size" in cfg.student:
         _check_sizes(cfg)
+    if cfg.teacher and "pretrained_model_name_or_path" in cfg.teacher:
+        _check_teacher(cfg)
+    if "guidance_scale_min" in method and method.guidance_scale_min > method.guidance_scale_max:
+        raise ConfigError(
+            f"method.guidance_scale_min={method.guidance_scale_min} > method.guidance_scale_max={method.guidance_scale_max}; "
+            "the guidance range needs min <= max"
+        )
+    if "guidance_scale_min" in method and method.guidance_scale_min < 1.0:
+        raise ConfigError(f"method.guidance_scale_min={method.guidance_scale_min} must be >= 1 (1 = no guidance)")
+    if "loss_type" in method:
+        from distill.diffusion.consistency import CONSISTENCY_LOSSES
+
+        _choice("method.loss_type", method.loss_type, CONSISTENCY_LOSSES)
+    if "ema_decay" in method and not 0.0 <= method.ema_decay < 1.0:
+        raise ConfigError(f"method.ema_decay={method.ema_decay} must be in [0, 1) (0 = stop-gradient target)")
     if cfg.ckpt_path not in (None, "last"):
         from pathlib import Path
 

@@ -1,0 +1,64 @@
+"""Consistency-model math (Song et al. 2023) in the latent-consistency form of Luo et al. 2023 (LCM)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+CONSISTENCY_LOSSES = ("l2", "huber", "pseudo_huber")
+
+
+def boundary_scalings(
+    t: torch.Tensor, sigma_data: float = 0.5, timestep_scaling: float = 10.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """c_skip(t), c_out(t) with c_skip(0) = 1, c_out(0) = 0 (Song et al. 2023 eq. 8 on a discrete t,
+    as diffusers' LCMScheduler: s = timestep_scaling * t, c_skip = sd^2 / (s^2 + sd^2), c_out = s / sqrt(s^2 + sd^2))."""
+    s = t.float() * timestep_scaling
+    c_skip = sigma_data**2 / (s**2 + sigma_data**2)
+    c_out = s / (s**2 + sigma_data**2).sqrt()
+    return c_skip, c_out
+
+
+def consistency_output(x_t: torch.Tensor, x0_pred: torch.Tensor, c_skip: torch.Tensor, c_out: torch.Tensor) -> torch.Tensor:
+    """f(x_t, t) = c_skip(t) x_t + c_out(t) x0_pred (Luo et al. 2023 eq. 9)."""
+    shape = (-1,) + (1,) * (x_t.ndim - 1)
+    return c_skip.reshape(shape) * x_t + c_out.reshape(shape) * x0_pred
+
+
+def ddim_step(x0_pred: torch.Tensor, eps_pred: torch.Tensor, alpha_prev: torch.Tensor, sigma_prev: torch.Tensor) -> torch.Tensor:
+    """Deterministic DDIM update to an earlier time s: x_s = alpha_s x0 + sigma_s eps (Song et al. 2021, eq. 12, eta=0)."""
+    return alpha_prev * x0_pred + sigma_prev * eps_pred
+
+
+def guidance_scale_embedding(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding of 1000 * w, (N,) -> (N, dim); w is the LCM guidance w = cfg_scale - 1
+    (the embedding diffusers' pipelines feed to ``timestep_cond``; Luo et al. 2023 sec. 4.2)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=w.device) / (half - 1))
+    args = (w.float() * 1000.0)[:, None] * freqs[None, :]
+    emb = torch.cat([torch.sin(args), torch.cos(args)], dim=1)
+    return F.pad(emb, (0, 1)) if dim % 2 else emb
+
+
+def consistency_loss(pred: torch.Tensor, target: torch.Tensor, kind: str = "pseudo_huber", huber_c: float = 0.001) -> torch.Tensor:
+    """Distance d(f_student, f_target): squared L2, Huber, or pseudo-Huber sqrt(|x - y|^2 + c^2) - c
+    (Song & Dhariwal 2023, iCT sec. 3.3), averaged over the batch."""
+    if kind == "l2":
+        return F.mse_loss(pred.float(), target.float())
+    if kind == "huber":
+        return F.huber_loss(pred.float(), target.float(), delta=huber_c)
+    if kind == "pseudo_huber":
+        return (((pred.float() - target.float()) ** 2).flatten(1).sum(1) + huber_c**2).sqrt().sub(huber_c).mean()
+    raise ValueError(f"method.loss_type={kind!r} is not supported; use one of {CONSISTENCY_LOSSES}")
+
+
+def ddim_timesteps(num_train_timesteps: int, num_ddim_timesteps: int) -> torch.Tensor:
+    """The solver grid t_n = (n + 1) k - 1, k = T / N, n = 0..N-1 (LCM's skipping-step schedule)."""
+    if num_train_timesteps % num_ddim_timesteps:
+        raise ValueError(
+            f"method.num_ddim_timesteps={num_ddim_timesteps} must divide num_train_timesteps={num_train_timesteps}"
+        )
+    k = num_train_timesteps // num_ddim_timesteps
+    return torch.arange(1, num_ddim_timesteps + 1) * k - 1

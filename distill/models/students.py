@@ -1,0 +1,43 @@
+"""Students built from a teacher UNet: a full copy (optionally w-conditioned) or LoRA adapters (peft)."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import UNet2DConditionModel
+
+
+def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | None = None,
+                 gradient_checkpointing: bool = False) -> UNet2DConditionModel:
+    """The teacher's architecture and weights; with ``time_cond_proj_dim`` a guidance-scale embedding
+    enters the time embedding through a new zero-initialised projection, so the student starts as the teacher."""
+    config = dict(teacher_unet.config)
+    if time_cond_proj_dim is not None:
+        config["time_cond_proj_dim"] = time_cond_proj_dim
+    student = UNet2DConditionModel.from_config(config)
+    missing, unexpected = student.load_state_dict(teacher_unet.state_dict(), strict=False)
+    if unexpected or any(not k.startswith("time_embedding.cond_proj") for k in missing):
+        raise ValueError(f"student does not match the teacher: missing {missing}, unexpected {unexpected}")
+    if time_cond_proj_dim is not None:
+        torch.nn.init.zeros_(student.time_embedding.cond_proj.weight)
+    if gradient_checkpointing:
+        student.enable_gradient_checkpointing()
+    return student.train().requires_grad_(True)
+
+
+def lora_student(teacher_unet: UNet2DConditionModel, rank: int = 8, alpha: float | None = None,
+                 target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out",
+                                                   "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "conv_shortcut",
+                                                   "time_emb_proj"),
+                 gradient_checkpointing: bool = False) -> UNet2DConditionModel:
+    """LoRA adapters (peft) on the teacher UNet itself; with the adapters disabled it is the teacher
+    (LCM-LoRA, Luo et al. 2023b). Only the adapter weights train."""
+    from peft import LoraConfig
+
+    teacher_unet.requires_grad_(False)
+    present = {name.split(".")[-1] for name, _ in teacher_unet.named_modules()}
+    targets = [t for t in target_modules if t.split(".")[-1] in present or "." in t]
+    teacher_unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights="gaussian",
+                                        target_modules=targets))
+    if gradient_checkpointing:
+        teacher_unet.enable_gradient_checkpointing()
+    return teacher_unet
