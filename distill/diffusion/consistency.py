@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -36,7 +34,9 @@ def guidance_scale_embedding(w: torch.Tensor, dim: int) -> torch.Tensor:
     """Sinusoidal embedding of 1000 * w, (N,) -> (N, dim); w is the LCM guidance w = cfg_scale - 1
     (the embedding diffusers' pipelines feed to ``timestep_cond``; Luo et al. 2023 sec. 4.2)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=w.device) / (half - 1))
+    # float32 throughout, in this order: at 1000 * w the sines are sensitive to the last bit of the frequencies
+    step = torch.log(torch.tensor(10000.0)) / (half - 1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.float32) * -step).to(w.device)
     args = (w.float() * 1000.0)[:, None] * freqs[None, :]
     emb = torch.cat([torch.sin(args), torch.cos(args)], dim=1)
     return F.pad(emb, (0, 1)) if dim % 2 else emb

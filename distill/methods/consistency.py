@@ -210,16 +210,18 @@ class LatentConsistencyDistillation(DistillMethod):
         out_dir = Path(out_dir)
         if self.is_lora:
             from diffusers import StableDiffusionPipeline
-            from peft.utils import get_peft_model_state_dict
-
             from diffusers.utils import convert_state_dict_to_diffusers
+            from peft.utils import get_peft_model_state_dict
 
             lora = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.student))
             StableDiffusionPipeline.save_lora_weights(out_dir / "lora", unet_lora_layers=lora, safe_serialization=True)
-            self.pipeline().save_pretrained(out_dir)  # adapters stay separate modules; fused below
-            fused = self.pipeline()
-            fused.fuse_lora()
-            fused.save_pretrained(out_dir)
+            # The full pipeline holds a copy with the adapters merged into the weights and removed.
+            merged = copy.deepcopy(self.student)
+            merged.fuse_lora()
+            merged.unload_lora()
+            pipe = self.pipeline()
+            pipe.register_modules(unet=merged)
+            pipe.save_pretrained(out_dir)
         else:
             self.pipeline().save_pretrained(out_dir)
         info = {"method": "consistency", "teacher": self.teacher_source, "sampling": self.sampling,

@@ -1,0 +1,149 @@
+"""Latent consistency distillation: the math against diffusers' own formulas, a short run, exports, bad input."""
+
+import csv
+
+import pytest
+import torch
+from diffusers import DDIMScheduler, LCMScheduler, StableDiffusionPipeline
+
+from distill.diffusion import alpha_sigma, to_x0_eps
+from distill.diffusion.consistency import (
+    boundary_scalings,
+    consistency_loss,
+    consistency_output,
+    ddim_step,
+    ddim_timesteps,
+    guidance_scale_embedding,
+)
+from tests.conftest import run_train
+from tests.sd_tiny import write_tiny_sd
+
+
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory):
+    return write_tiny_sd(tmp_path_factory.mktemp("sd") / "pipe")
+
+
+def test_boundary_scalings_match_lcm_scheduler():
+    sched = LCMScheduler(timestep_scaling=10.0)
+    for t in [0, 1, 19, 499, 999]:
+        c_skip, c_out = boundary_scalings(torch.tensor([t]), sigma_data=0.5, timestep_scaling=10.0)
+        ref_skip, ref_out = sched.get_scalings_for_boundary_condition_discrete(t)
+        assert c_skip.item() == pytest.approx(float(ref_skip), rel=1e-6)
+        assert c_out.item() == pytest.approx(float(ref_out), rel=1e-6)
+    c_skip, c_out = boundary_scalings(torch.tensor([0]))
+    assert c_skip.item() == 1.0 and c_out.item() == 0.0  # f(x, 0) = x: the boundary condition
+    x, x0 = torch.randn(2, 4, 2, 2), torch.randn(2, 4, 2, 2)
+    torch.testing.assert_close(consistency_output(x, x0, torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])),
+                               torch.stack([x[0], x0[1]]))
+
+
+def test_ddim_solver_step_matches_diffusers_ddim():
+    sched = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
+                          set_alpha_to_one=False, prediction_type="epsilon")
+    sched.set_timesteps(50)  # step 20 apart, as the solver's skip k = 1000 / 50
+    g = torch.Generator().manual_seed(0)
+    x_t, eps = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
+    t = int(sched.timesteps[10])
+    ref = sched.step(eps, t, x_t).prev_sample
+    tt = torch.full((3,), t)
+    alpha, sigma = alpha_sigma(sched.alphas_cumprod, tt)
+    x0, eps_hat = to_x0_eps("epsilon", eps, x_t, alpha, sigma)
+    alpha_prev, sigma_prev = alpha_sigma(sched.alphas_cumprod, tt - 20)
+    torch.testing.assert_close(ddim_step(x0, eps_hat, alpha_prev, sigma_prev), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_solver_grid():
+    grid = ddim_timesteps(1000, 50)
+    assert grid[0].item() == 19 and grid[-1].item() == 999 and (grid.diff() == 20).all()
+    with pytest.raises(ValueError, match="must divide"):
+        ddim_timesteps(1000, 30)
+
+
+def test_w_embedding_matches_the_pipeline():
+    w = torch.tensor([0.0, 1.5, 4.0])
+    ref = StableDiffusionPipeline.get_guidance_scale_embedding(None, w, embedding_dim=64)
+    torch.testing.assert_close(guidance_scale_embedding(w, 64), ref)
+    assert guidance_scale_embedding(w, 33).shape == (3, 33)
+
+
+def test_losses_formulas():
+    pred, target = torch.zeros(2, 1, 1, 2), torch.tensor([[3.0, 4.0], [0.0, 0.0]]).reshape(2, 1, 1, 2)
+    c = 0.5
+    # pseudo-Huber: sqrt(||x - y||^2 + c^2) - c per example, averaged.
+    assert consistency_loss(pred, target, "pseudo_huber", c).item() == pytest.approx(((25 + 0.25) ** 0.5 - 0.5) / 2)
+    assert consistency_loss(pred, target, "l2").item() == pytest.approx(25 / 4)
+    with pytest.raises(ValueError, match="loss_type='l1'"):
+        consistency_loss(pred, target, "l1")
+
+
+LCM_FAST = ["student.time_cond_proj_dim=32", "data.batch_size=16", "trainer.log_every_n_steps=5",
+            "trainer.limit_val_batches=1", "callbacks.samples.num_seeds=1", "sample_grid_seeds=1", "logger=csv"]
+
+
+def test_short_distillation_lowers_loss_and_exports_a_pipeline(tiny_sd, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={tiny_sd}", *LCM_FAST,
+                     "trainer.max_steps=40", "trainer.val_check_interval=10", "method.optimizer.lr=1e-3",
+                     "checkpoint.every_n_train_steps=40", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    val = [float(r["val/loss"]) for r in csv.DictReader(open(run_dir / "csv" / "metrics.csv")) if r.get("val/loss")]
+    assert len(val) == 4 and val[-1] < val[0]
+    pipe = StableDiffusionPipeline.from_pretrained(run_dir / "export")
+    assert isinstance(pipe.scheduler, LCMScheduler) and pipe.unet.config.time_cond_proj_dim == 32
+    images = pipe("a handwritten digit three", num_inference_steps=2, guidance_scale=3.0, height=32, width=32,
+                  output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    assert images.shape == (1, 1, 32, 32) and torch.isfinite(images).all()
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    assert {k.split(".")[0] for k in state} == {"student", "target"}  # the frozen teacher is not stored
+
+
+def test_lora_student_exports_weights_that_load_into_the_teacher(tiny_sd, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={tiny_sd}", "student=lora",
+                     "student.rank=4", "method.ema_decay=0", *LCM_FAST[1:], "trainer.max_steps=4",
+                     "trainer.val_check_interval=4", "checkpoint.every_n_train_steps=4", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "export" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+    teacher = StableDiffusionPipeline.from_pretrained(tiny_sd)
+    base = {k: v.clone() for k, v in teacher.unet.state_dict().items()}
+    teacher.load_lora_weights(run_dir / "export" / "lora")
+    teacher.fuse_lora()
+    teacher.unload_lora_weights()  # keeps the fused weights, drops the adapter modules
+    fused = StableDiffusionPipeline.from_pretrained(run_dir / "export")
+    changed = [k for k, v in fused.unet.state_dict().items() if k in base and not torch.equal(v, base[k])]
+    assert changed  # the adapters trained
+    for key in changed:
+        torch.testing.assert_close(teacher.unet.state_dict()[key], fused.unet.state_dict()[key], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["teacher.pretrained_model_name_or_path=/tmp"], "not a diffusers pipeline folder"),
+        (["method.guidance_scale_min=8", "method.guidance_scale_max=4"], "guidance_scale_min=8.0 > method.guidance_scale_max=4.0"),
+        (["data.resolution=30"], "not divisible by the teacher's VAE factor 4"),
+        (["method.loss_type=l1"], "method.loss_type='l1'"),
+    ],
+)
+def test_bad_input_fails_before_training(tiny_sd, tmp_path, overrides, needle):
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={tiny_sd}", *overrides,
+                     "logger=csv", f"hydra.run.dir={run_dir}", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert needle in proc.stderr and not run_dir.exists()
+
+
+def test_unsupported_prediction_type_is_rejected(tiny_sd, tmp_path):
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_sd, bad)
+    cfg_file = bad / "scheduler" / "scheduler_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["prediction_type"] = "flow_prediction"
+    cfg_file.write_text(json.dumps(cfg))
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={bad}", "logger=csv",
+                     f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2 and "prediction_type='flow_prediction'" in proc.stderr
