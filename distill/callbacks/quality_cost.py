@@ -29,6 +29,7 @@ class QualityCostCallback(L.Callback):
         classifier: str | None = None,
         resolution: int = 32,
         measure_cost: bool = True,
+        grid_seeds: int = 4,
     ):
         self.every_n_steps, self.schedulers, self.nfe = every_n_steps, list(schedulers), list(nfe)
         self.guidance_scale = guidance_scale
@@ -36,6 +37,7 @@ class QualityCostCallback(L.Callback):
         self.teacher_guidance_scale = teacher_guidance_scale
         self.num_per_class, self.seed, self.feature = num_per_class, seed, feature
         self.clip, self.classifier, self.resolution, self.measure_cost = clip, classifier, resolution, measure_cost
+        self.grid_seeds = min(grid_seeds, num_per_class)
         self.teacher_rows: list[dict] = []
         self.history: list[dict] = []
         self._evaluator = None
@@ -73,9 +75,21 @@ class QualityCostCallback(L.Callback):
             guidance = pipeline_defaults(self.teacher).get("guidance_scale", 1.0)
         for name in self.teacher_schedulers:
             for steps in self.teacher_nfe:
-                row, _ = self._evaluator.evaluate(sampler, "teacher", name, steps, guidance, self.measure_cost)
+                row, images = self._evaluator.evaluate(sampler, "teacher", name, steps, guidance, self.measure_cost)
                 self.teacher_rows.append(row)
+                self._save_grid(self._trainer, images, f"teacher-{name}-{steps}.png")
         return self.teacher_rows
+
+    def _save_grid(self, trainer, images: torch.Tensor, name: str) -> None:
+        """Rows = digits 0-9, columns = seeds, in the run's samples/ folder."""
+        if self.grid_seeds < 1:
+            return
+        from distill.evaluate import digit_rows_grid
+        from distill.utils.images import image_grid, upscale
+
+        out = Path(trainer.default_root_dir) / "samples"
+        out.mkdir(parents=True, exist_ok=True)
+        upscale(image_grid(digit_rows_grid(images, self.grid_seeds), nrow=self.grid_seeds), 3).save(out / name)
 
     # ------------------------------------------------------------------ hooks
 
@@ -95,6 +109,7 @@ class QualityCostCallback(L.Callback):
         from distill.callbacks.ema import EMA
 
         self._last_step = trainer.global_step
+        self._trainer = trainer
         if self._evaluator is None:
             self._build()
         teacher_rows = self._teacher_rows()
@@ -108,10 +123,11 @@ class QualityCostCallback(L.Callback):
         try:
             for name in self.schedulers:
                 for steps in self.nfe:
-                    row, _ = self._evaluator.evaluate(sampler, "student", name, steps, self.guidance_scale,
-                                                      self.measure_cost)
+                    row, images = self._evaluator.evaluate(sampler, "student", name, steps, self.guidance_scale,
+                                                           self.measure_cost)
                     row["step"] = trainer.global_step
                     rows.append(row)
+                    self._save_grid(trainer, images, f"student-{name}-{steps}_step_{trainer.global_step:07d}.png")
         finally:
             if swap:
                 ema.swap_out(pl_module)
