@@ -27,7 +27,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 demo: install
-	$(PY) -m distill.train +exp=$(or $(EXP),diffusion)
+	$(PY) -m distill.train +exp=$(or $(EXP),consistency)
 
 test: install-dev
 	$(PY) -m pytest -q
