@@ -25,8 +25,12 @@ EXPERIMENTS = {"classifier": "asset_classifier", "vae": "asset_vae", "clip": "as
 
 
 def git_revision() -> str:
+    """HEAD, with "+dirty" when tracked files differ from it (the weights then came from uncommitted code)."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -50,6 +54,7 @@ def build(name: str, seed: int, runs_root: Path, overrides: list[str]) -> Path:
         shutil.rmtree(run_dir)
     command = [sys.executable, "-m", "distill.train", f"+exp={EXPERIMENTS[name]}", f"seed={seed}",
                "logger=csv", f"hydra.run.dir={run_dir}", *overrides]
+    revision = git_revision()  # before training: the code that produced the weights
     start = time.time()
     subprocess.run(command, check=True)
     wall = time.time() - start
@@ -61,7 +66,7 @@ def build(name: str, seed: int, runs_root: Path, overrides: list[str]) -> Path:
         "asset": name,
         "command": "python -m distill.train " + " ".join(command[3:]),
         "seed": seed,
-        "git_revision": git_revision(),
+        "git_revision": revision,
         "train_wall_time_s": round(wall, 1),
         "cpu_threads": os.cpu_count(),
         "final_metrics": last_metrics(run_dir),
