@@ -102,7 +102,8 @@ class QualityCostCallback(L.Callback):
 
     @torch.no_grad()
     def run(self, trainer, pl_module) -> list[dict]:
-        if not trainer.is_global_zero or trainer.global_step == self._last_step or trainer.sanity_checking:
+        if (not trainer.is_global_zero or trainer.global_step == self._last_step or trainer.sanity_checking
+                or trainer.fast_dev_run):  # a smoke run skips evaluation, as Lightning skips logging
             return []
         from distill.metrics.quality_cost import MethodSampler, plot_pareto, write_csv
 
