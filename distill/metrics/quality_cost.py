@@ -47,6 +47,7 @@ class MethodSampler:
 
     def __init__(self, method):
         self.method, self.unet = method, method.student
+        self.default_guidance_scale = method.sampling.get("guidance_scale")
 
     @torch.no_grad()
     def __call__(self, captions, labels, scheduler, steps, guidance_scale, generator):
@@ -102,8 +103,11 @@ class QualityCostEvaluator:
 
     def evaluate(self, sampler: Sampler, model: str, scheduler: str, steps: int, guidance_scale: float | None,
                  measure: bool = True) -> tuple[dict, torch.Tensor]:
+        if guidance_scale is None:  # the sampler's own default, so that the table shows what was used
+            guidance_scale = getattr(sampler, "default_guidance_scale", None)
         images = self.generate(sampler, scheduler, steps, guidance_scale)
-        row = {"model": model, "scheduler": scheduler, "steps": steps, "guidance_scale": guidance_scale or 1.0}
+        row = {"model": model, "scheduler": scheduler, "steps": steps,
+               "guidance_scale": guidance_scale if guidance_scale is not None else 1.0}
         row.update(self.quality(images))
         if measure:
             row.update(self.cost(sampler, scheduler, steps, guidance_scale))
