@@ -44,7 +44,7 @@ class Cost:
     nfe: float  # network evaluations per image (a CFG step batches 2 evaluations: counted as 2)
     latency_s: float  # seconds per image at this batch size (median over repeats)
     images_per_s: float
-    peak_memory_mb: float
+    peak_memory_mb: float  # CUDA: allocator peak above the baseline; CPU: the process's peak RSS
     gflops_per_image: float
     params_m: float
     active_params_m: float
@@ -54,7 +54,7 @@ class Cost:
 
 
 class _PeakRSS:
-    """Peak resident memory of this process while active (CPU), sampled every millisecond."""
+    """Peak resident memory of this process while active, sampled every millisecond."""
 
     def __enter__(self):
         import psutil
@@ -77,8 +77,8 @@ class _PeakRSS:
         self.peak = max(self.peak, self.process.memory_info().rss)
 
     @property
-    def delta_mb(self) -> float:
-        return max(0, self.peak - self.base) / 2**20
+    def peak_mb(self) -> float:
+        return self.peak / 2**20
 
 
 def count_flops(fn: Callable[[], object]) -> int:
@@ -120,7 +120,8 @@ def measure_cost(
             if cuda:
                 torch.cuda.synchronize(device)
             timings.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda else rss.delta_mb
+    # On CPU the allocator keeps what the warm-up allocated, so a delta would read ~0: report the process peak.
+    peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20 if cuda else rss.peak_mb
     batch_seconds = statistics.median(timings)
     flops = count_flops(generate)
     return Cost(

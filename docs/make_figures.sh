@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Rebuild every figure of the README (about 20 minutes on 2 CPU cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+run=outputs/consistency_demo
+$PY -m distill.train +exp=consistency hydra.run.dir=$run logger=[csv,tensorboard]
+cp $run/plots/pareto_step_0001000.png docs/consistency_pareto.png
+cp $run/samples/student-lcm-1_step_0001000.png docs/consistency_lcm1.png
+cp $run/samples/student-lcm-4_step_0001000.png docs/consistency_lcm4.png
+cp $run/samples/teacher-ddim-4.png docs/teacher_ddim4.png
+$PY -m distill.sample pipeline=distill/assets/digits/teacher out=docs/teacher_grid.png num_seeds=8
