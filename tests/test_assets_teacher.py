@@ -1,0 +1,35 @@
+"""The shipped digits teacher: a StableDiffusionPipeline that diffusers loads offline and that draws the prompted digit."""
+
+import torch
+from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+from distill.assets import asset_path
+from distill.data.digits import caption_for
+from distill.metrics.digit_accuracy import prompted_digit_accuracy
+from distill.models.classifier import DigitClassifier
+from distill.models.students import copy_student
+
+
+def test_shipped_teacher_generates_the_prompted_digits():
+    pipe = StableDiffusionPipeline.from_pretrained(asset_path("teacher"))
+    assert isinstance(pipe.scheduler, DDIMScheduler) and pipe.safety_checker is None
+    assert pipe.vae_scale_factor == 4 and pipe.unet.config.sample_size == 8
+    pipe.set_progress_bar_config(disable=True)
+    labels = torch.arange(10).repeat(2)
+    images = pipe([caption_for(int(i)) for i in labels], num_inference_steps=10, guidance_scale=3.0, height=32,
+                  width=32, generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert images.shape == (20, 1, 32, 32)
+    classifier = DigitClassifier.from_pretrained(asset_path("classifier")).eval()
+    assert prompted_digit_accuracy(images * 2 - 1, labels, classifier) >= 0.9
+
+
+def test_copy_student_starts_as_the_teacher_and_can_checkpoint():
+    teacher = StableDiffusionPipeline.from_pretrained(asset_path("teacher")).unet
+    student = copy_student(teacher, time_cond_proj_dim=16, gradient_checkpointing=True)
+    assert student.is_gradient_checkpointing and student.config.time_cond_proj_dim == 16
+    x, t = torch.randn(2, 4, 8, 8), torch.tensor([10, 500])
+    hidden = torch.randn(2, 16, teacher.config.cross_attention_dim)
+    with torch.no_grad():
+        expected = teacher(x, t, encoder_hidden_states=hidden).sample
+        got = student.eval()(x, t, encoder_hidden_states=hidden, timestep_cond=torch.randn(2, 16)).sample
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)  # zero-initialised w projection
