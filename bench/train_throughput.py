@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch_size}, {args.resolution}x{args.resolution}")
-    print("| UNet size | parameters | images/s (median of %d) |" % args.repeats)
+    print(f"| UNet size | parameters | images/s (median of {args.repeats}) |")
     print("|---|---|---|")
     for size in args.sizes:
         ips, n = measure(size, args.batch_size, args.resolution, args.steps, args.repeats)

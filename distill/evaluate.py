@@ -34,20 +34,14 @@ def digit_rows_grid(images: torch.Tensor, seeds: int) -> torch.Tensor:
 
 
 def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
-    from transformers import CLIPModel, CLIPTokenizer
-
     from distill.inference.schedulers import SCHEDULERS
-    from distill.metrics.fid import FID
     from distill.metrics.quality_cost import (
         PipelineSampler,
-        QualityCostEvaluator,
+        build_evaluator,
         format_table,
-        heldout_reference,
         plot_pareto,
-        real_data_floor,
         write_csv,
     )
-    from distill.models.classifier import DigitClassifier
     from distill.sample import load_pipeline, pipeline_defaults
     from distill.utils.images import image_grid, upscale
 
@@ -60,15 +54,8 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     pipe = load_pipeline(cfg.pipeline)
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else pipeline_defaults(cfg.pipeline).get("guidance_scale", 1.0)
     model = cfg.model_name or Path(str(cfg.pipeline)).name
-    fid = FID(cfg.feature)
-    reference, key = heldout_reference(cfg.resolution)
-    fid.set_reference(reference, key)
-    clip_model = CLIPModel.from_pretrained(cfg.clip).eval() if cfg.clip else None
-    clip_tok = CLIPTokenizer.from_pretrained(cfg.clip) if cfg.clip else None
-    classifier = DigitClassifier.from_pretrained(cfg.classifier).eval() if cfg.classifier else None
-    evaluator = QualityCostEvaluator(fid, clip_model, clip_tok, classifier, cfg.num_per_class, cfg.seed,
-                                     cost_repeats=cfg.cost_repeats)
-    floor = real_data_floor(fid, len(evaluator.captions), cfg.resolution)
+    evaluator, floor, key = build_evaluator(cfg.feature, cfg.clip, cfg.classifier, cfg.num_per_class, cfg.seed,
+                                            cfg.resolution, cfg.cost_repeats)
     sampler = PipelineSampler(pipe)
     rows = []
     for name in names:
@@ -91,7 +78,7 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     (out_dir / "protocol.json").write_text(json.dumps({
         "pipeline": str(cfg.pipeline), "num_per_class": cfg.num_per_class, "num_samples": len(evaluator.captions),
         "seed": cfg.seed, "guidance_scale": guidance, "reference": key, "feature": cfg.feature,
-        "fid_feature_fingerprint": fid.fingerprint, "real_data_floor": floor,
+        "fid_feature_fingerprint": evaluator.fid.fingerprint, "real_data_floor": floor,
     }, indent=2))
     print(table)
     print(f"results in {out_dir}")

@@ -6,7 +6,13 @@ import pytest
 import torch
 from PIL import Image
 
-from distill.data import DIGIT_WORDS, DigitsDataModule, ImageFolderDataModule, WebDatasetDataModule, caption_for
+from distill.data import (
+    DIGIT_WORDS,
+    DigitsDataModule,
+    ImageFolderDataModule,
+    WebDatasetDataModule,
+    caption_for,
+)
 
 
 def test_digits_split_shapes_and_range():

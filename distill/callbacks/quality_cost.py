@@ -47,21 +47,10 @@ class QualityCostCallback(L.Callback):
     # ------------------------------------------------------------------ setup
 
     def _build(self):
-        from transformers import CLIPModel, CLIPTokenizer
+        from distill.metrics.quality_cost import build_evaluator
 
-        from distill.metrics.fid import FID
-        from distill.metrics.quality_cost import QualityCostEvaluator, heldout_reference, real_data_floor
-        from distill.models.classifier import DigitClassifier
-
-        fid = FID(self.feature)
-        reference, key = heldout_reference(self.resolution)
-        fid.set_reference(reference, key)
-        clip_model = CLIPModel.from_pretrained(self.clip).eval() if self.clip else None
-        clip_tok = CLIPTokenizer.from_pretrained(self.clip) if self.clip else None
-        classifier = DigitClassifier.from_pretrained(self.classifier).eval() if self.classifier else None
-        self._evaluator = QualityCostEvaluator(fid, clip_model, clip_tok, classifier, self.num_per_class, self.seed,
-                                               resolution=self.resolution)
-        self._floor = real_data_floor(fid, len(self._evaluator.captions), self.resolution)
+        self._evaluator, self._floor, _ = build_evaluator(self.feature, self.clip, self.classifier,
+                                                          self.num_per_class, self.seed, self.resolution)
 
     def _teacher_rows(self) -> list[dict]:
         if self.teacher is None or self.teacher_rows:
@@ -105,9 +94,8 @@ class QualityCostCallback(L.Callback):
         if (not trainer.is_global_zero or trainer.global_step == self._last_step or trainer.sanity_checking
                 or trainer.fast_dev_run):  # a smoke run skips evaluation, as Lightning skips logging
             return []
-        from distill.metrics.quality_cost import MethodSampler, plot_pareto, write_csv
-
         from distill.callbacks.ema import EMA
+        from distill.metrics.quality_cost import MethodSampler, plot_pareto, write_csv
 
         self._last_step = trainer.global_step
         self._trainer = trainer

@@ -8,7 +8,7 @@ object is built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -48,7 +48,7 @@ class ImageFolderDataConfig:
 class WebDatasetDataConfig:
     _target_: str = "distill.data.WebDatasetDataModule"
     urls: str = MISSING
-    heldout_urls: Optional[str] = None
+    heldout_urls: str | None = None
     resolution: int = 32
     channels: int = 3
     batch_size: int = 32
@@ -131,9 +131,9 @@ class ConsistencyMethodConfig:
 class TeacherConfig:
     _target_: str = "distill.models.teacher.load_teacher"
     pretrained_model_name_or_path: str = MISSING
-    revision: Optional[str] = None
-    variant: Optional[str] = None
-    torch_dtype: Optional[str] = None
+    revision: str | None = None
+    variant: str | None = None
+    torch_dtype: str | None = None
 
 
 # ---------------------------------------------------------------- student
@@ -143,7 +143,7 @@ class TeacherConfig:
 class CopyStudentConfig:
     _target_: str = "distill.models.students.copy_student"
     _partial_: bool = True
-    time_cond_proj_dim: Optional[int] = 256
+    time_cond_proj_dim: int | None = 256
     gradient_checkpointing: bool = False
 
 
@@ -152,7 +152,7 @@ class LoraStudentConfig:
     _target_: str = "distill.models.students.lora_student"
     _partial_: bool = True
     rank: int = 8
-    alpha: Optional[float] = None
+    alpha: float | None = None
     gradient_checkpointing: bool = False
 
 
@@ -197,7 +197,7 @@ class DigitClassifierConfig:
     _target_: str = "distill.models.classifier.DigitClassifier"
     _convert_: str = "all"  # plain lists: the hub mixin writes the init arguments to config.json
     in_channels: int = 1
-    channels: List[int] = field(default_factory=lambda: [32, 64, 64])
+    channels: list[int] = field(default_factory=lambda: [32, 64, 64])
     feature_dim: int = 128
     num_classes: int = 10
     resolution: int = MISSING
@@ -209,7 +209,7 @@ class VAEStudentConfig:
     _target_: str = "distill.models.vae.build_vae"
     in_channels: int = 1
     sample_size: int = MISSING
-    block_out_channels: List[int] = field(default_factory=lambda: [16, 32, 64])
+    block_out_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
     layers_per_block: int = 1
     latent_channels: int = 4
     norm_num_groups: int = 8
@@ -223,7 +223,7 @@ class SchedulerConfig:
     name: str = "ddim"
     num_inference_steps: int = 50
     guidance_scale: float = 2.0
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- trainer / checkpoint / paths
@@ -239,21 +239,21 @@ class TrainerConfig:
     precision: Any = "32-true"
     max_steps: int = 3000
     max_epochs: int = -1
-    max_time: Optional[str] = None
+    max_time: str | None = None
     val_check_interval: Any = 500
-    check_val_every_n_epoch: Optional[int] = None
+    check_val_every_n_epoch: int | None = None
     limit_train_batches: Any = None
     limit_val_batches: Any = None
     num_sanity_val_steps: int = 0
     log_every_n_steps: int = 25
     accumulate_grad_batches: int = 1
-    gradient_clip_val: Optional[float] = 1.0
+    gradient_clip_val: float | None = 1.0
     deterministic: Any = False
-    benchmark: Optional[bool] = None
+    benchmark: bool | None = None
     fast_dev_run: Any = False
     enable_progress_bar: bool = True
     enable_model_summary: bool = True
-    default_root_dir: Optional[str] = None
+    default_root_dir: str | None = None
 
 
 @dataclass
@@ -287,44 +287,44 @@ class TrainConfig:
     student: Any = MISSING
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    callbacks: Dict[str, Any] = field(default_factory=dict)
-    logger: Dict[str, Any] = field(default_factory=dict)
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    logger: dict[str, Any] = field(default_factory=dict)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     exp_name: str = "diffusion"
     seed: int = 0
-    ckpt_path: Optional[str] = None
+    ckpt_path: str | None = None
     export: bool = True
     sample_grid_seeds: int = 8
-    tags: List[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
 class SampleConfig:
     pipeline: str = MISSING  # a diffusers pipeline folder or hub id
     out: str = "samples.png"
-    prompts: Optional[List[str]] = None  # default: "a handwritten digit <word>" for 0-9
+    prompts: list[str] | None = None  # default: "a handwritten digit <word>" for 0-9
     num_seeds: int = 8
     seed: int = 0
-    sampler: Optional[str] = None  # a scheduler name (conf/scheduler); default: the pipeline's own
+    sampler: str | None = None  # a scheduler name (conf/scheduler); default: the pipeline's own
     num_inference_steps: int = 50
-    guidance_scale: Optional[float] = None  # default: the pipeline's distill.json, else 1.0
+    guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0
     upscale: int = 4
 
 
 @dataclass
 class EvaluateConfig:
     pipeline: str = MISSING  # a diffusers pipeline folder or hub id
-    model_name: Optional[str] = None  # label in tables and plots; default: the folder name
+    model_name: str | None = None  # label in tables and plots; default: the folder name
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    schedulers: Optional[List[str]] = None  # several scheduler names in one sweep (overrides `scheduler`)
-    nfe: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 25, 50])  # sampling steps per row
+    schedulers: list[str] | None = None  # several scheduler names in one sweep (overrides `scheduler`)
+    nfe: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 25, 50])  # sampling steps per row
     num_per_class: int = 50
     seed: int = 0
-    guidance_scale: Optional[float] = None  # default: the pipeline's distill.json, else 1.0
+    guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0
     feature: str = "digits"  # FID features: digits | inception | a folder | a TorchScript file
-    clip: Optional[str] = MISSING  # CLIP model folder for the CLIP score (null: skip)
-    classifier: Optional[str] = MISSING  # digit classifier folder for prompt accuracy (null: skip)
+    clip: str | None = MISSING  # CLIP model folder for the CLIP score (null: skip)
+    classifier: str | None = MISSING  # digit classifier folder for prompt accuracy (null: skip)
     resolution: int = 32  # of the real reference digits
     grids: bool = True
     grid_seeds: int = 4

@@ -60,8 +60,8 @@ def load_feature_net(spec: str = "digits") -> nn.Module:
 
 def _inception() -> nn.Module:
     try:
-        from torchmetrics.image.fid import NoTrainInceptionV3  # noqa: F401
         import torch_fidelity  # noqa: F401
+        from torchmetrics.image.fid import NoTrainInceptionV3  # noqa: F401
     except ImportError as err:
         raise ImportError(
             "feature=inception needs torch-fidelity and a torch with a matching torchvision: "

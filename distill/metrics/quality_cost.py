@@ -222,3 +222,24 @@ def heldout_reference(resolution: int = 32) -> tuple[torch.Tensor, str]:
     return dm.heldout_set.images, f"digits-heldout-r{resolution}-s{dm.split_seed}"
 
 
+
+
+def build_evaluator(feature: str = "digits", clip: str | None = None, classifier: str | None = None,
+                    num_per_class: int = 50, seed: int = 0, resolution: int = 32,
+                    cost_repeats: int = 3) -> tuple[QualityCostEvaluator, float, str]:
+    """The evaluator of the protocol (FID against the held-out digits, optional CLIP score and prompt
+    accuracy from model folders), the real-data floor and the reference key."""
+    from transformers import CLIPModel, CLIPTokenizer
+
+    from distill.metrics.fid import FID
+    from distill.models.classifier import DigitClassifier
+
+    fid = FID(feature)
+    reference, key = heldout_reference(resolution)
+    fid.set_reference(reference, key)
+    clip_model = CLIPModel.from_pretrained(clip).eval() if clip else None
+    clip_tokenizer = CLIPTokenizer.from_pretrained(clip) if clip else None
+    digit_classifier = DigitClassifier.from_pretrained(classifier).eval() if classifier else None
+    evaluator = QualityCostEvaluator(fid, clip_model, clip_tokenizer, digit_classifier, num_per_class, seed,
+                                     cost_repeats=cost_repeats, resolution=resolution)
+    return evaluator, real_data_floor(fid, len(evaluator.captions), resolution), key

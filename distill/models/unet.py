@@ -19,17 +19,23 @@ def _size(size: str) -> dict:
     return dict(UNET_SIZES[size])
 
 
-def build_class_unet(
-    sample_size: int, in_channels: int = 1, out_channels: int | None = None, size: str = "tiny", num_classes: int = 10
-) -> UNet2DModel:
-    """A class-conditional pixel/latent UNet; class index ``num_classes`` is the null (unconditional) class."""
-    spec = _size(size)
+def _levels(spec: dict, sample_size: int, size: str) -> int:
+    """Resolution levels of the UNet; the sample size must halve cleanly at each."""
     levels = len(spec["block_out_channels"])
     if sample_size % 2 ** (levels - 1):
         raise ValueError(
             f"sample size {sample_size} is not divisible by 2**{levels - 1} (UNet size {size!r}); "
             f"pick a resolution that is a multiple of {2 ** (levels - 1)}"
         )
+    return levels
+
+
+def build_class_unet(
+    sample_size: int, in_channels: int = 1, out_channels: int | None = None, size: str = "tiny", num_classes: int = 10
+) -> UNet2DModel:
+    """A class-conditional pixel/latent UNet; class index ``num_classes`` is the null (unconditional) class."""
+    spec = _size(size)
+    levels = _levels(spec, sample_size, size)
     down = ["DownBlock2D"] * levels
     up = ["UpBlock2D"] * levels
     if levels > 1:
@@ -54,12 +60,7 @@ def build_text_unet(
 ) -> UNet2DConditionModel:
     """A Stable-Diffusion-style UNet conditioned by cross-attention on text-encoder hidden states."""
     spec = _size(size)
-    levels = len(spec["block_out_channels"])
-    if sample_size % 2 ** (levels - 1):
-        raise ValueError(
-            f"sample size {sample_size} is not divisible by 2**{levels - 1} (UNet size {size!r}); "
-            f"pick a resolution that is a multiple of {2 ** (levels - 1)}"
-        )
+    levels = _levels(spec, sample_size, size)
     down = ["CrossAttnDownBlock2D"] * (levels - 1) + ["DownBlock2D"]
     up = ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * (levels - 1)
     return UNet2DConditionModel(
