@@ -1,0 +1,43 @@
+"""Progressive-distillation target: one student DDIM step on it equals two exact teacher DDIM steps."""
+
+import pytest
+import torch
+from diffusers import DDPMScheduler
+
+from distill.diffusion import alpha_sigma, prediction_target, to_x0_eps
+from distill.diffusion.consistency import ddim_step
+from distill.diffusion.progressive import progressive_x_target, round_schedule
+
+
+def test_one_student_step_on_the_target_equals_two_teacher_steps():
+    abar = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012).alphas_cumprod
+    g = torch.Generator().manual_seed(0)
+    x_t = torch.randn(4, 4, 8, 8, generator=g)
+    t, t_mid, t_end = torch.full((4,), 800), torch.full((4,), 600), torch.full((4,), 400)
+
+    def teacher(x, tt):  # any deterministic eps-predictor stands in for the teacher network
+        return torch.tanh(x * (1 + tt[:, None, None, None] / 1000))
+
+    a_t, s_t = alpha_sigma(abar, t)
+    a_m, s_m = alpha_sigma(abar, t_mid)
+    a_e, s_e = alpha_sigma(abar, t_end)
+    x0, eps = to_x0_eps("epsilon", teacher(x_t, t), x_t, a_t, s_t)
+    x_mid = ddim_step(x0, eps, a_m, s_m)
+    x0, eps = to_x0_eps("epsilon", teacher(x_mid, t_mid), x_mid, a_m, s_m)
+    x_end = ddim_step(x0, eps, a_e, s_e)
+
+    x_target = progressive_x_target(x_t, x_end, a_t, s_t, a_e, s_e)
+    # The student predicts v on the target; one DDIM step from t to t'' with it lands on x_end.
+    eps_target = (x_t - a_t * x_target) / s_t
+    v = prediction_target("v_prediction", x_target, eps_target, a_t, s_t)
+    x0_s, eps_s = to_x0_eps("v_prediction", v, x_t, a_t, s_t)
+    torch.testing.assert_close(ddim_step(x0_s, eps_s, a_e, s_e), x_end, rtol=1e-5, atol=1e-5)  # float32 precision
+
+
+def test_round_schedule_halves_down_to_the_final_count():
+    assert round_schedule(64, 2) == [32, 16, 8, 4, 2]
+    assert round_schedule(8, 1) == [4, 2, 1]
+    with pytest.raises(ValueError, match="not powers of two apart"):
+        round_schedule(48, 4)
+    with pytest.raises(ValueError, match="must be below the start"):
+        round_schedule(4, 8)
