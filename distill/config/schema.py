@@ -124,6 +124,19 @@ class ConsistencyMethodConfig:
     lr_scheduler: Any = None
 
 
+@dataclass
+class ProgressiveMethodConfig:
+    _target_: str = "distill.methods.progressive.ProgressiveDistillation"
+    start_steps: int = 64
+    final_steps: int = 4
+    steps_per_round: int = 300
+    guidance_scale: float = 3.0
+    student_prediction_type: str = "v_prediction"
+    loss_weighting: str = "truncated_snr"
+    optimizer: Any = MISSING
+    lr_scheduler: Any = None
+
+
 # ---------------------------------------------------------------- teacher
 
 
@@ -334,7 +347,8 @@ class EvaluateConfig:
 SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
     "method": {"clip": CLIPMethodConfig, "diffusion": DiffusionMethodConfig, "classifier": ClassifierMethodConfig,
-               "vae": VAEMethodConfig, "consistency": ConsistencyMethodConfig},
+               "vae": VAEMethodConfig, "consistency": ConsistencyMethodConfig,
+               "progressive": ProgressiveMethodConfig},
     "teacher": {"teacher": TeacherConfig},
     "student": {"copy": CopyStudentConfig, "lora": LoraStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
                 "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig},

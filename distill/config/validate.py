@@ -94,6 +94,16 @@ def _check_teacher(cfg: DictConfig) -> None:
         check_pipeline_folder(path)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from err
+    if "start_steps" in cfg.method:  # progressive distillation steps the teacher with DDIM
+        import json
+
+        sched = path / "scheduler" / "scheduler_config.json"
+        config = json.loads(sched.read_text()) if sched.is_file() else {}
+        if "beta_schedule" not in config and "trained_betas" not in config:
+            raise ConfigError(
+                f"teacher {str(path)!r} has scheduler {config.get('_class_name', 'unknown')!r} without a DDPM beta "
+                "schedule; progressive distillation needs a DDIM-compatible (alphas_cumprod) teacher"
+            )
     factor = vae_factor({"pretrained_model_name_or_path": str(path), "subfolder": "vae"})
     resolution = cfg.data.get("resolution")
     if factor and resolution and resolution % factor:
@@ -132,6 +142,13 @@ def validate(cfg: DictConfig) -> None:
         _check_sizes(cfg)
     if cfg.teacher and "pretrained_model_name_or_path" in cfg.teacher:
         _check_teacher(cfg)
+    if "start_steps" in method:
+        from distill.diffusion.progressive import round_schedule
+
+        try:
+            round_schedule(method.start_steps, method.final_steps)
+        except ValueError as err:
+            raise ConfigError(f"method.start_steps / method.final_steps: {err}") from err
     if "guidance_scale_min" in method and method.guidance_scale_min > method.guidance_scale_max:
         raise ConfigError(
             f"method.guidance_scale_min={method.guidance_scale_min} > method.guidance_scale_max={method.guidance_scale_max}; "

@@ -1,0 +1,205 @@
+"""Progressive distillation (Salimans & Ho 2022, Algorithm 2) in latent space, for any SD-format teacher.
+
+Round r trains a student to do in one DDIM step what the current teacher does in two; then the
+student becomes the teacher and the step count halves. The first round's teacher is guided with
+classifier-free guidance at ``guidance_scale`` (the w-fixed variant of Meng et al. 2023), so every
+student needs one network evaluation per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from distill.diffusion import add_noise, prediction_target, snr, snr_weight, to_x0_eps
+from distill.diffusion.consistency import ddim_step
+from distill.diffusion.losses import diffusion_loss
+from distill.diffusion.progressive import progressive_x_target, round_schedule
+from distill.methods.base import DistillMethod
+from distill.models.conditioning import TextConditioner
+from distill.models.teacher import Teacher
+
+
+class ProgressiveDistillation(DistillMethod):
+    def __init__(
+        self,
+        teacher: Teacher,
+        student: nn.Module | Callable[[nn.Module], nn.Module],
+        optimizer: Callable,
+        lr_scheduler: Callable | None = None,
+        start_steps: int = 64,
+        final_steps: int = 4,
+        steps_per_round: int = 300,
+        guidance_scale: float = 3.0,
+        student_prediction_type: str = "v_prediction",
+        loss_weighting: str = "truncated_snr",
+        sampling: dict | None = None,
+    ):
+        super().__init__(optimizer, lr_scheduler)
+        self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
+        self.rounds = round_schedule(start_steps, final_steps)  # student step counts, e.g. [32, 16, 8, 4]
+        self.start_steps, self.steps_per_round = start_steps, steps_per_round
+        self.teacher_source = teacher.source
+        self.vae = teacher.vae.requires_grad_(False).eval()
+        self.conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer)
+        self.noise_scheduler_config = dict(teacher.scheduler.config)
+        self.teacher_prediction_type = teacher.prediction_type
+        self.student_prediction_type, self.loss_weighting = student_prediction_type, loss_weighting
+        self.guidance_scale = guidance_scale
+        self.teacher_unet = teacher.unet.requires_grad_(False).eval()
+        self.student = student if isinstance(student, nn.Module) else student(self.teacher_unet)
+        self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": 1.0})
+        self.num_train_timesteps = teacher.scheduler.config.num_train_timesteps
+        # abar with a final entry 1.0 at index T: "t = -1" is the clean image (alpha 1, sigma 0)
+        abar = teacher.scheduler.alphas_cumprod.clone().float()
+        self.register_buffer("abar", torch.cat([abar, torch.ones(1)]), persistent=False)
+        self.round_index = 0
+        self.strict_loading = False
+
+    # ------------------------------------------------------------------ rounds
+
+    @property
+    def student_steps(self) -> int:
+        return self.rounds[self.round_index]
+
+    def round_of(self, global_step: int) -> int:
+        return min(global_step // self.steps_per_round, len(self.rounds) - 1)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        target = self.round_of(self.global_step)
+        while self.round_index < target:  # hand over: the student becomes the teacher
+            self.finish_round()
+
+    def finish_round(self) -> None:
+        if self._trainer is not None and self.trainer.is_global_zero:
+            self.export(Path(self.trainer.default_root_dir) / "rounds" / f"{self.student_steps:03d}-steps")
+        self.teacher_unet = copy.deepcopy(self.student).requires_grad_(False).eval()
+        self.teacher_prediction_type = self.student_prediction_type
+        self.guidance_scale = 1.0  # only the first teacher is guided
+        self.round_index += 1
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith(("vae.", "conditioner.text_encoder."))]:
+            del state[key]
+        if self.round_index == 0:  # the original teacher reloads from its pipeline
+            for key in [k for k in state if k.startswith("teacher_unet.")]:
+                del state[key]
+        checkpoint["progressive"] = {"round_index": self.round_index, "guidance_scale": self.guidance_scale,
+                                     "teacher_prediction_type": self.teacher_prediction_type}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        info = checkpoint["progressive"]
+        if info["round_index"] > 0:  # the teacher of a later round is an earlier student
+            self.teacher_unet = copy.deepcopy(self.student).requires_grad_(False).eval()
+        self.round_index, self.guidance_scale = info["round_index"], info["guidance_scale"]
+        self.teacher_prediction_type = info["teacher_prediction_type"]
+
+    # ------------------------------------------------------------------ objective
+
+    def _times(self, i: torch.Tensor, steps: int) -> torch.Tensor:
+        """Timestep of grid point i on an ``steps``-step DDIM grid; i = 0 is the clean end (index T)."""
+        t = (i * self.num_train_timesteps) // steps - 1
+        return torch.where(i == 0, torch.full_like(t, self.num_train_timesteps), t)
+
+    def _alpha_sigma(self, t: torch.Tensor):
+        abar = self.abar[t].reshape(-1, 1, 1, 1)
+        return abar.sqrt(), (1 - abar).clamp(min=0).sqrt()
+
+    @torch.no_grad()
+    def _teacher_step(self, x, t, t_next, cond, uncond):
+        a, s = self._alpha_sigma(t)
+        tt = t.clamp(max=self.num_train_timesteps - 1)
+        if self.guidance_scale != 1.0:
+            out_c, out_u = self.teacher_unet(torch.cat([x, x]), torch.cat([tt, tt]),
+                                             encoder_hidden_states=torch.cat([cond, uncond])).sample.chunk(2)
+            out = out_u + self.guidance_scale * (out_c - out_u)
+        else:
+            out = self.teacher_unet(x, tt, encoder_hidden_states=cond).sample
+        x0, eps = to_x0_eps(self.teacher_prediction_type, out, x, a, s)
+        a_next, s_next = self._alpha_sigma(t_next)
+        return ddim_step(x0, eps, a_next, s_next)
+
+    def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        with torch.no_grad():
+            dist = self.vae.encode(batch["pixel_values"]).latent_dist
+            x0 = (dist.mean + dist.std * torch.randn(dist.mean.shape, generator=generator).to(dist.mean)) \
+                * self.vae.config.scaling_factor
+        n, steps = x0.shape[0], self.student_steps
+        i = torch.randint(1, steps + 1, (n,), generator=generator).to(x0.device)  # student step i -> i - 1
+        t, t_mid, t_end = self._times(2 * i, 2 * steps), self._times(2 * i - 1, 2 * steps), self._times(2 * i - 2, 2 * steps)
+        cond = self.conditioner(batch)["encoder_hidden_states"]
+        uncond = self.conditioner.null(n, x0.device)["encoder_hidden_states"]
+        eps = torch.randn(x0.shape, generator=generator).to(x0)
+        a_t, s_t = self._alpha_sigma(t)
+        x_t = add_noise(x0, eps, a_t, s_t)
+        x_mid = self._teacher_step(x_t, t, t_mid, cond, uncond)
+        x_end = self._teacher_step(x_mid, t_mid, t_end, cond, uncond)
+        a_e, s_e = self._alpha_sigma(t_end)
+        x_target = progressive_x_target(x_t, x_end, a_t, s_t, a_e, s_e)
+        eps_target = (x_t - a_t * x_target) / s_t
+        target = prediction_target(self.student_prediction_type, x_target, eps_target, a_t, s_t)
+        pred = self.student(x_t, t, encoder_hidden_states=cond).sample
+        weight = snr_weight(snr(a_t, s_t).flatten(), self.student_prediction_type, self.loss_weighting)
+        return diffusion_loss(pred, target, weight)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        n = batch["pixel_values"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=n)
+        self.log("train/student_steps", float(self.student_steps), batch_size=n)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch, torch.Generator().manual_seed(1000 + batch_idx))
+        self.log("val/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0], sync_dist=True)
+        return loss
+
+    # ------------------------------------------------------------------ sampling and export
+
+    def pipeline(self, scheduler: str | None = None):
+        from diffusers import StableDiffusionPipeline
+
+        from distill.inference.schedulers import make_scheduler
+
+        name = scheduler or self.sampling["name"]
+        # trailing spacing puts the grid at t = i * T / N - 1, the points the student was trained on;
+        # DDIM's final step goes to the clean image (alpha 1), as the student's last step does.
+        options = {"prediction_type": self.student_prediction_type, "timestep_spacing": "trailing"}
+        if name == "ddim":
+            options["set_alpha_to_one"] = True
+        sched = make_scheduler(name, self.noise_scheduler_config, **options)
+        pipe = StableDiffusionPipeline(
+            vae=self.vae, text_encoder=self.conditioner.text_encoder, tokenizer=self.conditioner.tokenizer,
+            unet=self.student, scheduler=sched, safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @torch.no_grad()
+    def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
+                 guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
+        was_training = self.student.training
+        self.student.eval()
+        pipe = self.pipeline(scheduler)
+        size = self.student.config.sample_size * pipe.vae_scale_factor
+        images = pipe(list(batch["caption"]), num_inference_steps=num_inference_steps or self.student_steps,
+                      guidance_scale=guidance_scale if guidance_scale is not None else 1.0, height=size, width=size,
+                      generator=generator, output_type="pt").images
+        self.student.train(was_training)
+        return images * 2.0 - 1.0
+
+    def export(self, out_dir: str | Path) -> Path:
+        """A StableDiffusionPipeline folder whose DDIM scheduler is set up for this round's step count."""
+        out_dir = Path(out_dir)
+        self.pipeline().save_pretrained(out_dir)
+        info = {"method": "progressive", "teacher": self.teacher_source,
+                "sampling": {"name": "ddim", "num_inference_steps": self.student_steps, "guidance_scale": 1.0}}
+        (out_dir / "distill.json").write_text(json.dumps(info, indent=2))
+        return out_dir
