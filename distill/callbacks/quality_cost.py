@@ -10,13 +10,17 @@ import torch
 
 
 class QualityCostCallback(L.Callback):
-    """Every ``every_n_steps`` training steps and at the end of training."""
+    """Every ``every_n_steps`` training steps and at the end of training.
+
+    ``nfe=None`` evaluates the method's own current step count (``pl_module.student_steps``, e.g. the
+    round of progressive distillation); the Pareto plot then shows every evaluation so far.
+    """
 
     def __init__(
         self,
         every_n_steps: int = 1000,
         schedulers: tuple[str, ...] = ("ddim",),
-        nfe: tuple[int, ...] = (1, 2, 4),
+        nfe: tuple[int, ...] | None = (1, 2, 4),
         guidance_scale: float | None = None,
         teacher: str | None = None,
         teacher_schedulers: tuple[str, ...] = ("ddim",),
@@ -31,7 +35,8 @@ class QualityCostCallback(L.Callback):
         measure_cost: bool = True,
         grid_seeds: int = 4,
     ):
-        self.every_n_steps, self.schedulers, self.nfe = every_n_steps, list(schedulers), list(nfe)
+        self.every_n_steps, self.schedulers = every_n_steps, list(schedulers)
+        self.nfe = list(nfe) if nfe is not None else None
         self.guidance_scale = guidance_scale
         self.teacher, self.teacher_schedulers, self.teacher_nfe = teacher, list(teacher_schedulers), list(teacher_nfe)
         self.teacher_guidance_scale = teacher_guidance_scale
@@ -111,7 +116,7 @@ class QualityCostCallback(L.Callback):
         rows = []
         try:
             for name in self.schedulers:
-                for steps in self.nfe:
+                for steps in self.nfe if self.nfe is not None else [pl_module.student_steps]:
                     row, images = self._evaluator.evaluate(sampler, "student", name, steps, self.guidance_scale,
                                                            self.measure_cost)
                     row["step"] = trainer.global_step
@@ -125,7 +130,8 @@ class QualityCostCallback(L.Callback):
         csv_path = run_dir / "quality_cost.csv"
         first = not csv_path.exists()
         write_csv(([dict(r, step=trainer.global_step) for r in teacher_rows] if first else []) + rows, csv_path, append=True)
-        plot = plot_pareto(teacher_rows + rows, run_dir / "plots" / f"pareto_step_{trainer.global_step:07d}.png",
+        shown = rows if self.nfe is not None else [r for r in self.history]
+        plot = plot_pareto(teacher_rows + shown, run_dir / "plots" / f"pareto_step_{trainer.global_step:07d}.png",
                            title=f"step {trainer.global_step}: FID vs latency", floor=self._floor)
         self._log(trainer, rows, teacher_rows, plot)
         return rows
