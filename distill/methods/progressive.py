@@ -83,6 +83,10 @@ class ProgressiveDistillation(DistillMethod):
         self.guidance_scale = 1.0  # only the first teacher is guided
         self.round_index += 1
 
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero and not self.trainer.fast_dev_run:  # the last round's student
+            self.export(Path(self.trainer.default_root_dir) / "rounds" / f"{self.student_steps:03d}-steps")
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith(("vae.", "conditioner.text_encoder."))]:
