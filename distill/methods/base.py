@@ -22,6 +22,39 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Images (N, C, H, W) -> a sample of the VAE posterior times ``scaling_factor`` (Rombach et al. 2022)."""
+    dist = vae.encode(pixels).latent_dist
+    noise = torch.randn(dist.mean.shape, generator=generator).to(dist.mean)
+    return (dist.mean + dist.std * noise) * vae.config.scaling_factor
+
+
+def text_to_image_pipeline(vae, conditioner, unet, scheduler):
+    """A frozen VAE and text encoder plus ``unet`` as an in-memory StableDiffusionPipeline."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=conditioner.text_encoder, tokenizer=conditioner.tokenizer, unet=unet,
+        scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@torch.no_grad()
+def pipeline_images(pipe, captions: list[str], generator: torch.Generator, num_inference_steps: int,
+                    guidance_scale: float) -> torch.Tensor:
+    """Images (N, C, H, W) in [-1, 1] from a text-to-image pipeline at its UNet's native size, in eval mode."""
+    was_training = pipe.unet.training
+    pipe.unet.eval()
+    size = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    images = pipe(list(captions), num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                  height=size, width=size, generator=generator, output_type="pt").images
+    pipe.unet.train(was_training)
+    return images * 2.0 - 1.0
+
+
 class DistillMethod(L.LightningModule):
     """Base of every method: ``self.student`` is what trains; ``optimizer``/``lr_scheduler`` are partials."""
 

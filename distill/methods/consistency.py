@@ -19,7 +19,12 @@ from distill.diffusion.consistency import (
     ddim_timesteps,
     guidance_scale_embedding,
 )
-from distill.methods.base import DistillMethod
+from distill.methods.base import (
+    DistillMethod,
+    encode_latents,
+    pipeline_images,
+    text_to_image_pipeline,
+)
 from distill.models.conditioning import TextConditioner
 from distill.models.teacher import Teacher
 
@@ -123,11 +128,8 @@ class LatentConsistencyDistillation(DistillMethod):
         c_skip, c_out = boundary_scalings(t, self.sigma_data, self.timestep_scaling)
         return consistency_output(x_t, x0, c_skip, c_out)
 
-    @torch.no_grad()
     def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        dist = self.vae.encode(pixels).latent_dist
-        noise = torch.randn(dist.mean.shape, generator=generator).to(dist.mean)
-        return (dist.mean + dist.std * noise) * self.vae.config.scaling_factor
+        return encode_latents(self.vae, pixels, generator)
 
     # ------------------------------------------------------------------ objective
 
@@ -175,34 +177,20 @@ class LatentConsistencyDistillation(DistillMethod):
 
     def pipeline(self, scheduler: str | None = None):
         """The student as a diffusers StableDiffusionPipeline (in memory), with an LCM scheduler by default."""
-        from diffusers import StableDiffusionPipeline
-
         from distill.inference.schedulers import make_scheduler
 
         name = scheduler or self.sampling["name"]
         options = {"timestep_scaling": self.timestep_scaling} if name == "lcm" else {}
         if name == self.sampling["name"]:
             options.update(self.sampling.get("options") or {})
-        pipe = StableDiffusionPipeline(
-            vae=self.vae, text_encoder=self.conditioner.text_encoder, tokenizer=self.conditioner.tokenizer,
-            unet=self.student, scheduler=make_scheduler(name, self.noise_scheduler_config, **options),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        scheduler = make_scheduler(name, self.noise_scheduler_config, **options)
+        return text_to_image_pipeline(self.vae, self.conditioner, self.student, scheduler)
 
-    @torch.no_grad()
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
-        was_training = self.student.training
-        self.student.eval()
-        pipe = self.pipeline(scheduler)
-        size = self.student.config.sample_size * pipe.vae_scale_factor
-        images = pipe(list(batch["caption"]), num_inference_steps=num_inference_steps or self.sampling["num_inference_steps"],
-                      guidance_scale=guidance_scale if guidance_scale is not None else self.sampling["guidance_scale"],
-                      height=size, width=size, generator=generator, output_type="pt").images
-        self.student.train(was_training)
-        return images * 2.0 - 1.0
+        return pipeline_images(self.pipeline(scheduler), batch["caption"], generator,
+                               num_inference_steps or self.sampling["num_inference_steps"],
+                               guidance_scale if guidance_scale is not None else self.sampling["guidance_scale"])
 
     def export(self, out_dir: str | Path) -> Path:
         """A StableDiffusionPipeline folder with an LCMScheduler; for a LoRA student also the adapter

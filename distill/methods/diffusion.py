@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from diffusers import DDPMPipeline, StableDiffusionPipeline
+from diffusers import DDPMPipeline
 from torch import nn
 
 from distill.diffusion import (
@@ -21,7 +21,7 @@ from distill.diffusion import (
 )
 from distill.inference.sampling import sample
 from distill.inference.schedulers import make_scheduler
-from distill.methods.base import DistillMethod
+from distill.methods.base import DistillMethod, encode_latents, text_to_image_pipeline
 from distill.models.conditioning import TextConditioner
 
 
@@ -78,11 +78,7 @@ class DiffusionTraining(DistillMethod):
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Images (N, C, H, W) -> diffusion space: identity, or scaled VAE latents (N, 4, H/f, W/f)."""
-        if self.vae is None:
-            return pixels
-        dist = self.vae.encode(pixels).latent_dist
-        noise = torch.randn(dist.mean.shape, generator=generator).to(dist.mean)
-        return (dist.mean + dist.std * noise) * self.vae.config.scaling_factor
+        return pixels if self.vae is None else encode_latents(self.vae, pixels, generator)
 
     @torch.no_grad()
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
@@ -148,11 +144,7 @@ class DiffusionTraining(DistillMethod):
         else ``DDPMPipeline`` (unet + sampling scheduler); plus the sampling defaults in distill.json."""
         out_dir = Path(out_dir)
         if isinstance(self.conditioner, TextConditioner) and self.vae is not None:
-            pipe = StableDiffusionPipeline(
-                vae=self.vae, text_encoder=self.conditioner.text_encoder, tokenizer=self.conditioner.tokenizer,
-                unet=self.student, scheduler=self.sampling_scheduler(), safety_checker=None,
-                feature_extractor=None, requires_safety_checker=False,
-            )
+            pipe = text_to_image_pipeline(self.vae, self.conditioner, self.student, self.sampling_scheduler())
             info = {"conditioning": "text"}
         else:
             pipe = DDPMPipeline(unet=self.student, scheduler=self.sampling_scheduler())

@@ -20,7 +20,12 @@ from distill.diffusion import add_noise, prediction_target, snr, snr_weight, to_
 from distill.diffusion.consistency import ddim_step
 from distill.diffusion.losses import diffusion_loss
 from distill.diffusion.progressive import progressive_x_target, round_schedule
-from distill.methods.base import DistillMethod
+from distill.methods.base import (
+    DistillMethod,
+    encode_latents,
+    pipeline_images,
+    text_to_image_pipeline,
+)
 from distill.models.conditioning import TextConditioner
 from distill.models.teacher import Teacher
 
@@ -130,10 +135,7 @@ class ProgressiveDistillation(DistillMethod):
         return ddim_step(x0, eps, a_next, s_next)
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
-        with torch.no_grad():
-            dist = self.vae.encode(batch["pixel_values"]).latent_dist
-            x0 = (dist.mean + dist.std * torch.randn(dist.mean.shape, generator=generator).to(dist.mean)) \
-                * self.vae.config.scaling_factor
+        x0 = encode_latents(self.vae, batch["pixel_values"], generator)
         n, steps = x0.shape[0], self.student_steps
         i = torch.randint(1, steps + 1, (n,), generator=generator).to(x0.device)  # student step i -> i - 1
         t, t_mid, t_end = self._times(2 * i, 2 * steps), self._times(2 * i - 1, 2 * steps), self._times(2 * i - 2, 2 * steps)
@@ -167,8 +169,6 @@ class ProgressiveDistillation(DistillMethod):
     # ------------------------------------------------------------------ sampling and export
 
     def pipeline(self, scheduler: str | None = None):
-        from diffusers import StableDiffusionPipeline
-
         from distill.inference.schedulers import make_scheduler
 
         name = scheduler or self.sampling["name"]
@@ -178,26 +178,13 @@ class ProgressiveDistillation(DistillMethod):
         if name == "ddim":
             options["set_alpha_to_one"] = True
         sched = make_scheduler(name, self.noise_scheduler_config, **options)
-        pipe = StableDiffusionPipeline(
-            vae=self.vae, text_encoder=self.conditioner.text_encoder, tokenizer=self.conditioner.tokenizer,
-            unet=self.student, scheduler=sched, safety_checker=None, feature_extractor=None,
-            requires_safety_checker=False,
-        )
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return text_to_image_pipeline(self.vae, self.conditioner, self.student, sched)
 
-    @torch.no_grad()
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
-        was_training = self.student.training
-        self.student.eval()
-        pipe = self.pipeline(scheduler)
-        size = self.student.config.sample_size * pipe.vae_scale_factor
-        images = pipe(list(batch["caption"]), num_inference_steps=num_inference_steps or self.student_steps,
-                      guidance_scale=guidance_scale if guidance_scale is not None else 1.0, height=size, width=size,
-                      generator=generator, output_type="pt").images
-        self.student.train(was_training)
-        return images * 2.0 - 1.0
+        return pipeline_images(self.pipeline(scheduler), batch["caption"], generator,
+                               num_inference_steps or self.student_steps,
+                               guidance_scale if guidance_scale is not None else 1.0)
 
     def export(self, out_dir: str | Path) -> Path:
         """A StableDiffusionPipeline folder whose DDIM scheduler is set up for this round's step count."""

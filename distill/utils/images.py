@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -22,7 +21,3 @@ def image_grid(images: torch.Tensor, nrow: int, pad: int = 1) -> Image.Image:
 
 def upscale(image: Image.Image, factor: int) -> Image.Image:
     return image.resize((image.width * factor, image.height * factor), Image.NEAREST)
-
-
-def to_numpy(image: Image.Image) -> np.ndarray:
-    return np.asarray(image)
