@@ -72,3 +72,77 @@ def test_teacher_without_ddim_schedule_is_rejected(tiny_sd, tmp_path):
     proc = run_train("+exp=progressive", f"teacher.pretrained_model_name_or_path={bad}", "logger=csv",
                      f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert proc.returncode == 2 and "DDIM-compatible" in proc.stderr
+
+
+def _w_method(tiny_sd, **kw):
+    return ProgressiveDistillation(load_teacher(str(tiny_sd)), lambda u: copy_student(u, time_cond_proj_dim=8),
+                                   torch.optim.AdamW, start_steps=8, final_steps=2, steps_per_round=5,
+                                   guided_stage_steps=3, guidance_scale_min=2.0, guidance_scale_max=4.0, **kw)
+
+
+def test_guided_stage_comes_first_then_rounds_keep_w_as_input(tiny_sd):
+    method = _w_method(tiny_sd)
+    assert method.round_index == -1 and method.student_steps == 8  # the stage runs at the teacher's step count
+    assert [method.round_of(s) for s in (0, 2, 3, 7, 8, 99)] == [-1, -1, 0, 0, 1, 1]
+    teacher = method.teacher_unet
+    method.finish_round()
+    assert method.round_index == 0 and method.student_steps == 4 and method.guidance_scale == 1.0
+    assert method.teacher_unet is not teacher and method.teacher_unet.config.time_cond_proj_dim == 8
+
+
+def test_guided_stage_target_is_the_per_sample_cfg_of_the_teacher(tiny_sd):
+    method = _w_method(tiny_sd)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, 8, 8, generator=g)
+    t = torch.tensor([999, 499, 124])
+    cond, uncond = torch.randn(3, 7, 32, generator=g), torch.randn(3, 7, 32, generator=g)
+    scale = torch.tensor([2.0, 3.0, 4.0])
+    x0, eps = method._teacher_x0_eps(x, t, cond, uncond, scale, {})
+    a, s = method._alpha_sigma(t)
+    for k in range(3):  # CFG computed directly, one sample at a time, in the teacher's eps space
+        with torch.no_grad():
+            e_c = method.teacher_unet(x[k:k + 1], t[k:k + 1], encoder_hidden_states=cond[k:k + 1]).sample
+            e_u = method.teacher_unet(x[k:k + 1], t[k:k + 1], encoder_hidden_states=uncond[k:k + 1]).sample
+        e = e_u + scale[k] * (e_c - e_u)
+        torch.testing.assert_close(eps[k:k + 1], e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x0[k:k + 1], (x[k:k + 1] - s[k] * e) / a[k], rtol=1e-4, atol=1e-4)
+
+
+def test_w_embedding_is_what_the_exported_pipeline_feeds(tiny_sd, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    method = _w_method(tiny_sd)
+    with torch.no_grad():
+        method.student.time_embedding.cond_proj.weight.normal_()  # make w matter
+    out = method.export(tmp_path / "w")
+    info = json.loads((out / "distill.json").read_text())
+    assert info["w_conditioned"] and info["sampling"]["guidance_scale"] == 3.0
+    pipe = StableDiffusionPipeline.from_pretrained(out, safety_checker=None)
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.unet.register_forward_hook(lambda m, a, kw, o: seen.append((a[0].shape[0], kw["timestep_cond"])),
+                                    with_kwargs=True)
+    pipe(["a", "b"], num_inference_steps=2, guidance_scale=3.0, height=16, width=16, output_type="pt",
+         generator=torch.Generator().manual_seed(0))
+    assert len(seen) == 2 and all(n == 2 for n, _ in seen)  # one evaluation per step: no CFG batch
+    expected = method._w_kwargs(torch.tensor([3.0, 3.0]))["timestep_cond"]
+    torch.testing.assert_close(seen[0][1], expected)
+
+
+def test_guided_stage_run_exports_every_round(tiny_sd, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=progressive_w", f"teacher.pretrained_model_name_or_path={tiny_sd}", "data.batch_size=8",
+                     "student.time_cond_proj_dim=8", "method.start_steps=8", "method.final_steps=2",
+                     "method.steps_per_round=2", "trainer.max_steps=6", "trainer.limit_val_batches=1",
+                     "trainer.val_check_interval=100", "callbacks.quality_cost=null", "logger=csv", "export=false",
+                     f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "rounds").iterdir()) == ["002-steps", "004-steps", "008-steps"]
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["progressive"]["round_index"] == 1 and ckpt["global_step"] == 6
+
+
+def test_guided_stage_needs_a_w_conditioned_student(tiny_sd, tmp_path):
+    proc = run_train("+exp=progressive_w", f"teacher.pretrained_model_name_or_path={tiny_sd}",
+                     "student.time_cond_proj_dim=null", "logger=csv", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode == 2 and "time_cond_proj_dim" in proc.stderr and not (tmp_path / "run").exists()

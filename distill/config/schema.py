@@ -133,6 +133,9 @@ class ProgressiveMethodConfig:
     guidance_scale: float = 3.0
     student_prediction_type: str = "v_prediction"
     loss_weighting: str = "truncated_snr"
+    guided_stage_steps: int = 0
+    guidance_scale_min: float = 2.0
+    guidance_scale_max: float = 6.0
     optimizer: Any = MISSING
     lr_scheduler: Any = None
 

@@ -1,9 +1,16 @@
 """Progressive distillation (Salimans & Ho 2022, Algorithm 2) in latent space, for any SD-format teacher.
 
 Round r trains a student to do in one DDIM step what the current teacher does in two; then the
-student becomes the teacher and the step count halves. The first round's teacher is guided with
-classifier-free guidance at ``guidance_scale`` (the w-fixed variant of Meng et al. 2023), so every
-student needs one network evaluation per step.
+student becomes the teacher and the step count halves. Classifier-free guidance follows Meng et al.
+2023 ("On Distillation of Guided Diffusion Models") in one of two forms:
+
+* w fixed (``guided_stage_steps=0``): the first round's teacher is the original one guided at
+  ``guidance_scale``; every student runs one network evaluation per step at that scale.
+* w conditioned (``guided_stage_steps>0``): a first stage trains a student that takes the guidance
+  scale as an input (a sinusoidal embedding through ``timestep_cond``, diffusers' convention) to
+  match the guided teacher's prediction at the teacher's own step count, with the scale drawn from
+  [guidance_scale_min, guidance_scale_max] per sample; the rounds then halve steps with w as an input.
+  The exported pipelines take ``guidance_scale`` at sampling time and still run one evaluation per step.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 from torch import nn
 
 from distill.diffusion import add_noise, prediction_target, snr, snr_weight, to_x0_eps
-from distill.diffusion.consistency import ddim_step
+from distill.diffusion.consistency import ddim_step, guidance_scale_embedding
 from distill.diffusion.losses import diffusion_loss
 from distill.diffusion.progressive import progressive_x_target, round_schedule
 from distill.methods.base import (
@@ -43,6 +50,9 @@ class ProgressiveDistillation(DistillMethod):
         guidance_scale: float = 3.0,
         student_prediction_type: str = "v_prediction",
         loss_weighting: str = "truncated_snr",
+        guided_stage_steps: int = 0,
+        guidance_scale_min: float = 2.0,
+        guidance_scale_max: float = 6.0,
         sampling: dict | None = None,
     ):
         super().__init__(optimizer, lr_scheduler)
@@ -58,22 +68,41 @@ class ProgressiveDistillation(DistillMethod):
         self.guidance_scale = guidance_scale
         self.teacher_unet = teacher.unet.requires_grad_(False).eval()
         self.student = student if isinstance(student, nn.Module) else student(self.teacher_unet)
-        self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": 1.0})
+        self.guided_stage_steps = guided_stage_steps
+        self.w_dim = self.student.config.get("time_cond_proj_dim")
+        if guided_stage_steps > 0 and self.w_dim is None:
+            raise ValueError("method.guided_stage_steps > 0 trains a w-conditioned student; use student=copy with "
+                             "student.time_cond_proj_dim=256 (it is null)")
+        if guided_stage_steps == 0 and self.w_dim is not None:
+            raise ValueError(f"student.time_cond_proj_dim={self.w_dim} but the guidance scale is fixed "
+                             "(method.guided_stage_steps=0); set student.time_cond_proj_dim=null or guided_stage_steps>0")
+        if guidance_scale_min > guidance_scale_max:
+            raise ValueError(f"method.guidance_scale_min={guidance_scale_min} > method.guidance_scale_max={guidance_scale_max}")
+        self.guidance_scale_min, self.guidance_scale_max = guidance_scale_min, guidance_scale_max
+        # round -1 is the guided stage: the original teacher, distilled at its own step count into a w-conditioned student
+        self.first_round = -1 if guided_stage_steps > 0 else 0
+        default_w = guidance_scale if self.w_conditioned else 1.0
+        self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": default_w})
         self.num_train_timesteps = teacher.scheduler.config.num_train_timesteps
         # abar with a final entry 1.0 at index T: "t = -1" is the clean image (alpha 1, sigma 0)
         abar = teacher.scheduler.alphas_cumprod.clone().float()
         self.register_buffer("abar", torch.cat([abar, torch.ones(1)]), persistent=False)
-        self.round_index = 0
+        self.round_index = self.first_round
         self.strict_loading = False
 
     # ------------------------------------------------------------------ rounds
 
     @property
+    def w_conditioned(self) -> bool:
+        return self.guided_stage_steps > 0
+
+    @property
     def student_steps(self) -> int:
-        return self.rounds[self.round_index]
+        return self.start_steps if self.round_index < 0 else self.rounds[self.round_index]
 
     def round_of(self, global_step: int) -> int:
-        return min(global_step // self.steps_per_round, len(self.rounds) - 1)
+        step = global_step - self.guided_stage_steps
+        return -1 if step < 0 else min(step // self.steps_per_round, len(self.rounds) - 1)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         target = self.round_of(self.global_step)
@@ -85,7 +114,7 @@ class ProgressiveDistillation(DistillMethod):
             self.export(Path(self.trainer.default_root_dir) / "rounds" / f"{self.student_steps:03d}-steps")
         self.teacher_unet = copy.deepcopy(self.student).requires_grad_(False).eval()
         self.teacher_prediction_type = self.student_prediction_type
-        self.guidance_scale = 1.0  # only the first teacher is guided
+        self.guidance_scale = 1.0  # only the original teacher runs CFG; later teachers are students
         self.round_index += 1
 
     def on_train_end(self) -> None:
@@ -96,7 +125,7 @@ class ProgressiveDistillation(DistillMethod):
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith(("vae.", "conditioner.text_encoder."))]:
             del state[key]
-        if self.round_index == 0:  # the original teacher reloads from its pipeline
+        if self.round_index == self.first_round:  # the original teacher reloads from its pipeline
             for key in [k for k in state if k.startswith("teacher_unet.")]:
                 del state[key]
         checkpoint["progressive"] = {"round_index": self.round_index, "guidance_scale": self.guidance_scale,
@@ -104,7 +133,7 @@ class ProgressiveDistillation(DistillMethod):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         info = checkpoint["progressive"]
-        if info["round_index"] > 0:  # the teacher of a later round is an earlier student
+        if info["round_index"] > self.first_round:  # the teacher of a later round is an earlier student
             self.teacher_unet = copy.deepcopy(self.student).requires_grad_(False).eval()
         self.round_index, self.guidance_scale = info["round_index"], info["guidance_scale"]
         self.teacher_prediction_type = info["teacher_prediction_type"]
@@ -120,37 +149,64 @@ class ProgressiveDistillation(DistillMethod):
         abar = self.abar[t].reshape(-1, 1, 1, 1)
         return abar.sqrt(), (1 - abar).clamp(min=0).sqrt()
 
+    def _scales(self, n: int, generator: torch.Generator | None) -> torch.Tensor:
+        """Per-sample CFG scale: drawn from [min, max] for a w-conditioned student, else the fixed one."""
+        if not self.w_conditioned:
+            return torch.full((n,), float(self.guidance_scale))
+        u = torch.rand(n, generator=generator)
+        return self.guidance_scale_min + (self.guidance_scale_max - self.guidance_scale_min) * u
+
+    def _w_kwargs(self, scale: torch.Tensor) -> dict:
+        if not self.w_conditioned:
+            return {}
+        return {"timestep_cond": guidance_scale_embedding(scale - 1.0, self.w_dim)}  # pipelines embed (scale - 1)
+
     @torch.no_grad()
-    def _teacher_step(self, x, t, t_next, cond, uncond):
+    def _teacher_x0_eps(self, x, t, cond, uncond, scale, w_kwargs):
+        """The current teacher's (x0, eps) at (x, t): the original teacher with CFG at ``scale`` in the
+        first round (or guided stage), later the previous student (w as an input when w-conditioned)."""
         a, s = self._alpha_sigma(t)
         tt = t.clamp(max=self.num_train_timesteps - 1)
-        if self.guidance_scale != 1.0:
+        if self.round_index == self.first_round and bool((scale != 1.0).any()):
             out_c, out_u = self.teacher_unet(torch.cat([x, x]), torch.cat([tt, tt]),
                                              encoder_hidden_states=torch.cat([cond, uncond])).sample.chunk(2)
-            out = out_u + self.guidance_scale * (out_c - out_u)
-        else:
+            out = out_u + scale.to(x).reshape(-1, 1, 1, 1) * (out_c - out_u)
+        elif self.round_index == self.first_round:
             out = self.teacher_unet(x, tt, encoder_hidden_states=cond).sample
-        x0, eps = to_x0_eps(self.teacher_prediction_type, out, x, a, s)
+        else:
+            out = self.teacher_unet(x, tt, encoder_hidden_states=cond, **w_kwargs).sample
+        return to_x0_eps(self.teacher_prediction_type, out, x, a, s)
+
+    def _teacher_step(self, x, t, t_next, cond, uncond, scale, w_kwargs):
+        x0, eps = self._teacher_x0_eps(x, t, cond, uncond, scale, w_kwargs)
         a_next, s_next = self._alpha_sigma(t_next)
         return ddim_step(x0, eps, a_next, s_next)
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         x0 = encode_latents(self.vae, batch["pixel_values"], generator)
         n, steps = x0.shape[0], self.student_steps
-        i = torch.randint(1, steps + 1, (n,), generator=generator).to(x0.device)  # student step i -> i - 1
-        t, t_mid, t_end = self._times(2 * i, 2 * steps), self._times(2 * i - 1, 2 * steps), self._times(2 * i - 2, 2 * steps)
         cond = self.conditioner(batch)["encoder_hidden_states"]
         uncond = self.conditioner.null(n, x0.device)["encoder_hidden_states"]
+        scale = self._scales(n, generator).to(x0.device)
+        w_kwargs = {k: v.to(x0) for k, v in self._w_kwargs(scale).items()}
+        i = torch.randint(1, steps + 1, (n,), generator=generator).to(x0.device)
+        if self.round_index < 0:  # guided stage: the student's prediction matches the guided teacher's
+            t = self._times(i, steps)
+        else:  # student step i -> i - 1 on its grid = teacher steps 2i -> 2i - 1 -> 2i - 2
+            t, t_mid, t_end = self._times(2 * i, 2 * steps), self._times(2 * i - 1, 2 * steps), self._times(2 * i - 2, 2 * steps)
         eps = torch.randn(x0.shape, generator=generator).to(x0)
         a_t, s_t = self._alpha_sigma(t)
         x_t = add_noise(x0, eps, a_t, s_t)
-        x_mid = self._teacher_step(x_t, t, t_mid, cond, uncond)
-        x_end = self._teacher_step(x_mid, t_mid, t_end, cond, uncond)
-        a_e, s_e = self._alpha_sigma(t_end)
-        x_target = progressive_x_target(x_t, x_end, a_t, s_t, a_e, s_e)
-        eps_target = (x_t - a_t * x_target) / s_t
+        if self.round_index < 0:
+            x_target, eps_target = self._teacher_x0_eps(x_t, t, cond, uncond, scale, w_kwargs)
+        else:
+            x_mid = self._teacher_step(x_t, t, t_mid, cond, uncond, scale, w_kwargs)
+            x_end = self._teacher_step(x_mid, t_mid, t_end, cond, uncond, scale, w_kwargs)
+            a_e, s_e = self._alpha_sigma(t_end)
+            x_target = progressive_x_target(x_t, x_end, a_t, s_t, a_e, s_e)
+            eps_target = (x_t - a_t * x_target) / s_t
         target = prediction_target(self.student_prediction_type, x_target, eps_target, a_t, s_t)
-        pred = self.student(x_t, t, encoder_hidden_states=cond).sample
+        pred = self.student(x_t, t, encoder_hidden_states=cond, **w_kwargs).sample
         weight = snr_weight(snr(a_t, s_t).flatten(), self.student_prediction_type, self.loss_weighting)
         return diffusion_loss(pred, target, weight)
 
@@ -184,13 +240,16 @@ class ProgressiveDistillation(DistillMethod):
                  guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
         return pipeline_images(self.pipeline(scheduler), batch["caption"], generator,
                                num_inference_steps or self.student_steps,
-                               guidance_scale if guidance_scale is not None else 1.0)
+                               guidance_scale if guidance_scale is not None else self.sampling["guidance_scale"])
 
     def export(self, out_dir: str | Path) -> Path:
         """A StableDiffusionPipeline folder whose DDIM scheduler is set up for this round's step count."""
         out_dir = Path(out_dir)
         self.pipeline().save_pretrained(out_dir)
-        info = {"method": "progressive", "teacher": self.teacher_source,
-                "sampling": {"name": "ddim", "num_inference_steps": self.student_steps, "guidance_scale": 1.0}}
+        info = {"method": "progressive", "teacher": self.teacher_source, "w_conditioned": self.w_conditioned,
+                "sampling": {"name": "ddim", "num_inference_steps": self.student_steps,
+                             "guidance_scale": self.sampling["guidance_scale"]}}
+        if self.w_conditioned:
+            info["guidance_scale_range"] = [self.guidance_scale_min, self.guidance_scale_max]
         (out_dir / "distill.json").write_text(json.dumps(info, indent=2))
         return out_dir
