@@ -37,15 +37,56 @@ def _fresh_run_dir(run_dir: Path) -> bool:
     return run_dir.is_dir() and all(p.name in (".hydra", "train.log") for p in run_dir.iterdir())
 
 
-def _fail(run_dir: Path, message: str) -> None:
+def _fail(run_dir: Path, message: str, code: int = 2) -> None:
     if _fresh_run_dir(run_dir):
         shutil.rmtree(run_dir, ignore_errors=True)
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
+
+
+def _resume_checkpoint(cfg: DictConfig, run_dir: Path) -> tuple[str | None, dict | None]:
+    """The checkpoint to resume from and its contents: ``ckpt_path=last`` takes the newest readable file
+    in this run's checkpoint folder (none yet: a fresh start), a path takes that file."""
+    from distill.utils.checkpoint import resolve_resume, safe_load
+
+    if cfg.ckpt_path is None:
+        return None, None
+    if cfg.ckpt_path == "last":
+        path, checkpoint = resolve_resume(Path(cfg.checkpoint.dirpath))
+        if path is None:
+            log.info("ckpt_path=last: no checkpoint in %s yet; starting from scratch", cfg.checkpoint.dirpath)
+            return None, None
+        log.info("resuming from %s (step %d)", path, checkpoint.get("global_step", -1))
+        return str(path), checkpoint
+    return cfg.ckpt_path, safe_load(cfg.ckpt_path)
+
+
+def _check_compatible(checkpoint: dict, path: str, method) -> None:
+    """A checkpoint from another method or student architecture is refused before any compute."""
+    from distill.callbacks.resilience import describe_run
+
+    saved = checkpoint.get("distill", {})
+    here = describe_run(method)
+    for key in ("method", "student"):
+        if key in saved and saved[key] != here[key]:
+            raise ValueError(f"checkpoint {path} was written by {key} {saved[key]}, but this run builds "
+                             f"{here[key]}; resume with the config it was trained with, or start a new run directory")
+    own = method.state_dict()
+    for key, value in checkpoint.get("state_dict", {}).items():
+        if key in own and tuple(own[key].shape) != tuple(value.shape):
+            raise ValueError(f"checkpoint {path} does not fit this student: {key} has shape {tuple(value.shape)} "
+                             f"there and {tuple(own[key].shape)} here; resume with the same student config")
+    missing = [k for k in own if k.startswith("student.") and k not in checkpoint.get("state_dict", {})]
+    if missing and not any(k.startswith("student.") and "lora" in k for k in own):
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} student weights (e.g. {missing[0]}); "
+                         "it was written for a different student architecture")
 
 
 def _instantiate_all(cfg: DictConfig):
     from hydra.utils import instantiate
+
+    from distill.callbacks.resilience import NonFiniteGuard, Preemption, RNGState, RunIdentity
+    from distill.utils.checkpoint import AtomicCheckpointIO
 
     datamodule = instantiate(cfg.data)
     student = instantiate(cfg.student)
@@ -56,12 +97,15 @@ def _instantiate_all(cfg: DictConfig):
     method = instantiate(cfg.method, _partial_=True, _convert_="all")(**extra)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
     callbacks.append(instantiate(cfg.checkpoint))
+    res = cfg.resilience
+    callbacks += [RNGState(), RunIdentity(), Preemption(tuple(res.preemption_signals)),
+                  NonFiniteGuard(res.max_consecutive_nonfinite, list(res.inject_nonfinite_at_steps))]
     loggers = [instantiate(c) for c in cfg.logger.values() if c is not None]
     if not loggers:  # a learning-rate monitor has nowhere to write without a logger
         from lightning.pytorch.callbacks import LearningRateMonitor
 
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()])
     return datamodule, method, trainer
 
 
@@ -69,6 +113,13 @@ def _root_cause(err: BaseException) -> BaseException:
     while err.__cause__ is not None:
         err = err.__cause__
     return err
+
+
+def _quiet_known_warnings() -> None:
+    import warnings
+
+    # The data modules resume mid-epoch themselves (distill.data.resumable), through their own state_dict.
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -81,11 +132,32 @@ def run(cfg: DictConfig) -> dict:
     import lightning as L
     from hydra.errors import InstantiationException
 
+    from distill.callbacks.resilience import (
+        NONFINITE_EXIT_CODE,
+        PREEMPTED_EXIT_CODE,
+        NonFiniteLossError,
+        Preemption,
+    )
+    from distill.utils.checkpoint import CheckpointError
+
+    try:
+        ckpt_path, checkpoint = _resume_checkpoint(cfg, run_dir)
+    except (CheckpointError, FileNotFoundError) as err:
+        _fail(run_dir, str(err))
+    wandb_id = (checkpoint or {}).get("distill", {}).get("wandb_run_id")
+    if wandb_id and cfg.logger.get("wandb") is not None:  # the resumed run continues the same wandb run
+        cfg.logger.wandb.id = wandb_id
+        OmegaConf.update(cfg, "logger.wandb.resume", "allow", force_add=True)
+
+    _quiet_known_warnings()
     L.seed_everything(cfg.seed + global_rank(), workers=True)
     try:
         datamodule, method, trainer = _instantiate_all(cfg)
+        if checkpoint is not None:
+            _check_compatible(checkpoint, ckpt_path, method)
     except (InstantiationException, ValueError, FileNotFoundError) as err:
         _fail(run_dir, str(_root_cause(err)))
+    del checkpoint
 
     if trainer.is_global_zero:
         job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
@@ -94,12 +166,22 @@ def run(cfg: DictConfig) -> dict:
         log.info("student: %s, %.2fM parameters; run directory %s", type(method.student).__name__, n_params / 1e6, run_dir)
 
     try:
-        trainer.fit(method, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(method, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        if trainer.is_global_zero and not trainer.fast_dev_run:
+        preempted = any(isinstance(c, Preemption) and c.preempted for c in trainer.callbacks)
+        if preempted:
+            log.warning("preempted at step %d; exiting with code %d so that the scheduler requeues this command",
+                        trainer.global_step, PREEMPTED_EXIT_CODE)
+        elif trainer.is_global_zero and not trainer.fast_dev_run:
             _finish(cfg, run_dir, method, trainer)
+    except NonFiniteLossError as err:
+        _fail(run_dir, str(err), NONFINITE_EXIT_CODE)
+    except CheckpointError as err:
+        _fail(run_dir, str(err), 4)
     finally:
         _close_loggers(trainer)
+    if preempted:
+        sys.exit(PREEMPTED_EXIT_CODE)
     return metrics
 
 

@@ -26,6 +26,7 @@ class DigitsDataConfig:
     split_seed: int = 0
     num_workers: int = 0
     channels: int = 1
+    shuffle_seed: int = 0
 
 
 @dataclass
@@ -42,6 +43,7 @@ class ImageFolderDataConfig:
     default_caption: str = ""
     skip_unreadable: bool = True
     num_workers: int = 0
+    shuffle_seed: int = 0
 
 
 @dataclass
@@ -172,6 +174,33 @@ class LoraStudentConfig:
     gradient_checkpointing: bool = False
 
 
+@dataclass
+class TimestepMoEStudentConfig:
+    _target_: str = "distill.models.moe.timestep_moe_student"
+    _partial_: bool = True
+    num_experts: int = 2
+    split: str = "equal_snr"
+    boundaries: Any = None
+    shared_layers: list = field(default_factory=list)
+    time_cond_proj_dim: int | None = 256
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class TokenMoEStudentConfig:
+    _target_: str = "distill.models.moe.token_moe_student"
+    _partial_: bool = True
+    num_experts: int = 4
+    top_k: int = 1
+    capacity_factor: float | None = 1.25
+    eval_capacity_factor: float | None = None
+    load_balance_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    init_noise: float = 0.01
+    time_cond_proj_dim: int | None = 256
+    gradient_checkpointing: bool = False
+
+
 
 @dataclass
 class ClassUNetConfig:
@@ -180,6 +209,7 @@ class ClassUNetConfig:
     in_channels: int = 1
     size: str = "tiny"
     num_classes: int = 10
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -189,6 +219,7 @@ class TextUNetConfig:
     in_channels: int = 4
     size: str = "tiny"
     cross_attention_dim: int = MISSING
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -206,11 +237,12 @@ class CLIPStudentConfig:
     vision_layers: int = 3
     vision_heads: int = 4
     mlp_ratio: int = 4
+    gradient_checkpointing: bool = False
 
 
 @dataclass
 class DigitClassifierConfig:
-    _target_: str = "distill.models.classifier.DigitClassifier"
+    _target_: str = "distill.models.classifier.build_digit_classifier"
     _convert_: str = "all"  # plain lists: the hub mixin writes the init arguments to config.json
     in_channels: int = 1
     channels: list[int] = field(default_factory=lambda: [32, 64, 64])
@@ -218,6 +250,7 @@ class DigitClassifierConfig:
     num_classes: int = 10
     resolution: int = MISSING
     dropout: float = 0.2
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -229,6 +262,7 @@ class VAEStudentConfig:
     layers_per_block: int = 1
     latent_channels: int = 4
     norm_num_groups: int = 8
+    gradient_checkpointing: bool = False
 
 
 # ---------------------------------------------------------------- sampling scheduler
@@ -269,6 +303,7 @@ class TrainerConfig:
     fast_dev_run: Any = False
     enable_progress_bar: bool = True
     enable_model_summary: bool = True
+    use_distributed_sampler: bool = False  # the data modules shard per rank themselves (resumable order)
     default_root_dir: str | None = None
 
 
@@ -296,6 +331,13 @@ class PathsConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    max_consecutive_nonfinite: int = 10  # abort after this many non-finite steps in a row (each is skipped)
+    inject_nonfinite_at_steps: list = field(default_factory=list)  # fault injection (tests): NaN grads at these steps
+    preemption_signals: list = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+
+
+@dataclass
 class TrainConfig:
     data: Any = MISSING
     method: Any = MISSING
@@ -313,6 +355,7 @@ class TrainConfig:
     export: bool = True
     sample_grid_seeds: int = 8
     tags: list[str] = field(default_factory=list)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
 
 @dataclass
@@ -353,7 +396,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
                "vae": VAEMethodConfig, "consistency": ConsistencyMethodConfig,
                "progressive": ProgressiveMethodConfig},
     "teacher": {"teacher": TeacherConfig},
-    "student": {"copy": CopyStudentConfig, "lora": LoraStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
+    "student": {"copy": CopyStudentConfig, "lora": LoraStudentConfig, "moe_timestep": TimestepMoEStudentConfig,
+                "moe_token": TokenMoEStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
                 "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig},
     "scheduler": {"scheduler": SchedulerConfig},
     "trainer": {"trainer": TrainerConfig},

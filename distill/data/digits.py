@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from distill.data.resumable import ResumableDataMixin
+
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
@@ -49,7 +51,7 @@ class DigitsDataset(Dataset):
         return {"pixel_values": self.images[i], "label": label, "caption": caption_for(label)}
 
 
-class DigitsDataModule(L.LightningDataModule):
+class DigitsDataModule(ResumableDataMixin, L.LightningDataModule):
     """Digits at ``resolution`` x ``resolution``, 1 channel, with a fixed stratified held-out split."""
 
     def __init__(
@@ -61,6 +63,7 @@ class DigitsDataModule(L.LightningDataModule):
         split_seed: int = 0,
         num_workers: int = 0,
         channels: int = 1,
+        shuffle_seed: int = 0,
     ):
         super().__init__()
         if channels not in (1, 3):
@@ -71,7 +74,7 @@ class DigitsDataModule(L.LightningDataModule):
             raise ValueError(f"data.heldout_fraction={heldout_fraction} must be in (0, 1)")
         self.resolution, self.batch_size, self.eval_batch_size = resolution, batch_size, eval_batch_size
         self.heldout_fraction, self.split_seed, self.num_workers = heldout_fraction, split_seed, num_workers
-        self.channels = channels
+        self.channels, self.shuffle_seed = channels, shuffle_seed
         self.train_set: DigitsDataset | None = None
         self.heldout_set: DigitsDataset | None = None
 
@@ -85,10 +88,7 @@ class DigitsDataModule(L.LightningDataModule):
         self.heldout_set = DigitsDataset(images[heldout], labels[heldout])
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-        )
+        return self._train_loader(self.train_set, self.batch_size, self.shuffle_seed, True, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.heldout_set, batch_size=self.eval_batch_size, shuffle=False, num_workers=0)

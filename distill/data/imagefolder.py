@@ -10,6 +10,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 
+from distill.data.resumable import ResumableDataMixin
 from distill.data.transforms import image_to_tensor
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class ImageFolderDataset(Dataset):
         return {"pixel_values": pixels, "caption": caption, "label": -1}
 
 
-class ImageFolderDataModule(L.LightningDataModule):
+class ImageFolderDataModule(ResumableDataMixin, L.LightningDataModule):
     """Images under ``root`` (recursively); unreadable files are skipped and counted, or raise."""
 
     def __init__(
@@ -49,13 +50,14 @@ class ImageFolderDataModule(L.LightningDataModule):
         default_caption: str = "",
         skip_unreadable: bool = True,
         num_workers: int = 0,
+        shuffle_seed: int = 0,
     ):
         super().__init__()
         self.root = Path(root)
         self.resolution, self.channels, self.batch_size = resolution, channels, batch_size
         self.eval_batch_size, self.heldout_fraction, self.split_seed = eval_batch_size, heldout_fraction, split_seed
         self.caption_ext, self.default_caption = caption_ext, default_caption
-        self.skip_unreadable, self.num_workers = skip_unreadable, num_workers
+        self.skip_unreadable, self.num_workers, self.shuffle_seed = skip_unreadable, num_workers, shuffle_seed
         self.num_skipped = 0
         self.train_set: ImageFolderDataset | None = None
         self.heldout_set: ImageFolderDataset | None = None
@@ -93,10 +95,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.heldout_set = ImageFolderDataset([files[i] for i in heldout] or [files[i] for i in train[:1]], *args)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=len(self.train_set) >= self.batch_size,
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-        )
+        return self._train_loader(self.train_set, self.batch_size, self.shuffle_seed,
+                                  len(self.train_set) >= self.batch_size, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.heldout_set, batch_size=self.eval_batch_size, shuffle=False)

@@ -63,6 +63,19 @@ class DistillMethod(L.LightningModule):
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
 
+    def add_student_aux_loss(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """``loss`` plus the auxiliary loss of a mixture-of-experts student's last forward (router load
+        balancing, z-loss), whose router statistics (expert load overall and per noise level) are logged."""
+        from distill.models.moe import moe_aux_and_stats
+
+        aux, stats = moe_aux_and_stats(self.student)
+        if stats:
+            self.log_dict(stats, batch_size=batch_size)
+        if aux is None:
+            return loss
+        self.log("train/aux_loss", aux, batch_size=batch_size)
+        return loss + aux
+
     def trainable_parameters(self):
         return [p for p in self.student.parameters() if p.requires_grad]
 

@@ -26,6 +26,7 @@ from distill.methods.base import (
     text_to_image_pipeline,
 )
 from distill.models.conditioning import TextConditioner
+from distill.models.students import make_student
 from distill.models.teacher import Teacher
 
 FROZEN_PREFIXES = ("teacher_unet.", "vae.", "conditioner.text_encoder.")
@@ -63,7 +64,7 @@ class LatentConsistencyDistillation(DistillMethod):
         self.conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer, cache=cache_prompts)
         self.noise_scheduler_config = dict(teacher.scheduler.config)
         self.prediction_type = teacher.prediction_type
-        self.student = student if isinstance(student, nn.Module) else student(self.teacher_unet)
+        self.student = make_student(student, teacher)
         self.is_lora = self.student is self.teacher_unet
         if self.is_lora and ema_decay > 0:
             raise ValueError("a LoRA student trains against a stop-gradient target; set method.ema_decay=0")
@@ -160,7 +161,7 @@ class LatentConsistencyDistillation(DistillMethod):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0])
-        return loss
+        return self.add_student_aux_loss(loss, batch["pixel_values"].shape[0])
 
     @torch.no_grad()
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:

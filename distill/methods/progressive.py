@@ -34,6 +34,7 @@ from distill.methods.base import (
     text_to_image_pipeline,
 )
 from distill.models.conditioning import TextConditioner
+from distill.models.students import make_student
 from distill.models.teacher import Teacher
 
 
@@ -67,7 +68,7 @@ class ProgressiveDistillation(DistillMethod):
         self.student_prediction_type, self.loss_weighting = student_prediction_type, loss_weighting
         self.guidance_scale = guidance_scale
         self.teacher_unet = teacher.unet.requires_grad_(False).eval()
-        self.student = student if isinstance(student, nn.Module) else student(self.teacher_unet)
+        self.student = make_student(student, teacher)
         self.guided_stage_steps = guided_stage_steps
         self.w_dim = self.student.config.get("time_cond_proj_dim")
         if guided_stage_steps > 0 and self.w_dim is None:
@@ -215,7 +216,7 @@ class ProgressiveDistillation(DistillMethod):
         n = batch["pixel_values"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=n)
         self.log("train/student_steps", float(self.student_steps), batch_size=n)
-        return loss
+        return self.add_student_aux_loss(loss, n)
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch, torch.Generator().manual_seed(1000 + batch_idx))

@@ -6,14 +6,37 @@ For MNIST-like data a domain classifier replaces Inception-v3 as the FID feature
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def _conv_block(c_in: int, c_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
+
+
+@contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Leaves ``module``'s buffers as they were on entry: the backward pass's recomputation of a checkpointed
+    stage must not add the batch to the BatchNorm running statistics a second time."""
+    saved = [b.clone() for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, s in zip(module.buffers(), saved):
+                b.copy_(s)
+
+
+def _stage_contexts(stage: nn.Module) -> tuple:
+    """``checkpoint``'s context_fn: the forward as is, the recomputation with the BatchNorm buffers kept."""
+    return nullcontext(), _buffers_kept(stage)
 
 
 class DigitClassifier(nn.Module, PyTorchModelHubMixin):
@@ -23,6 +46,8 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
     same network scores 16x16 and 32x32 samples. ``save_pretrained`` / ``from_pretrained`` come from
     the hub mixin (config.json + model.safetensors).
     """
+
+    gradient_checkpointing = False  # a training-time switch (enable_gradient_checkpointing), not saved in config.json
 
     def __init__(
         self,
@@ -58,11 +83,42 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
             x = F.interpolate(x, size=(self.resolution, self.resolution), mode="bilinear", align_corners=False)
         return x
 
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each stage of the body in the backward pass instead of keeping its activations
+        (non-reentrant ``torch.utils.checkpoint``); only in training mode with gradients enabled."""
+        self.gradient_checkpointing = True
+
+    def _stages(self) -> list[nn.Sequential]:
+        """The body cut after each pooling: the units that gradient checkpointing recomputes."""
+        stages, layers = [], []
+        for layer in self.body:
+            layers.append(layer)
+            if isinstance(layer, nn.MaxPool2d):
+                stages.append(nn.Sequential(*layers))
+                layers = []
+        return stages
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return self.body(x)
+        for stage in self._stages():
+            x = checkpoint(stage, x, use_reentrant=False, context_fn=partial(_stage_contexts, stage))
+        return x
+
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Penultimate-layer features (N, feature_dim), the space in which FID is measured."""
-        h = self.body(self._prepare(x))
+        h = self._body(self._prepare(x))
         return self.feature(h.mean(dim=(2, 3)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Class logits (N, num_classes)."""
         return self.head(self.features(x))
+
+
+def build_digit_classifier(gradient_checkpointing: bool = False, **sizes) -> DigitClassifier:
+    """The ``student`` group's entry: a ``DigitClassifier``, with gradient checkpointing if asked (kept out of
+    the init arguments, which the hub mixin writes to config.json)."""
+    model = DigitClassifier(**sizes)
+    if gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    return model

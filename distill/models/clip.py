@@ -175,9 +175,19 @@ def build_clip(
     return CLIPModel(config), tokenizer
 
 
-def build_clip_model(**sizes) -> CLIPModel:
-    """The ``student`` group's entry: the network alone (the method builds the matching tokenizer)."""
-    return build_clip(**sizes)[0]
+def build_clip_model(gradient_checkpointing: bool = False, **sizes) -> CLIPModel:
+    """The ``student`` group's entry: the network alone (the method builds the matching tokenizer).
+
+    ``gradient_checkpointing`` recomputes each encoder layer in the backward pass (non-reentrant); transformers
+    skips it in eval mode and without gradients, so validation is unaffected."""
+    model = build_clip(**sizes)[0]
+    if gradient_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # newer transformers, where the old name is deprecated
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
 
 
 def encode_images(model: CLIPModel, images: torch.Tensor) -> torch.Tensor:

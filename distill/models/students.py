@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import torch
 from diffusers import UNet2DConditionModel
+from torch import nn
+
+
+def make_student(student: nn.Module | Callable[..., nn.Module], teacher) -> nn.Module:
+    """A ready module, or a builder called on the teacher's UNet (and its noise schedule if it asks)."""
+    if isinstance(student, nn.Module):
+        return student
+    wants_schedule = "noise_scheduler" in inspect.signature(student).parameters
+    return student(teacher.unet, **({"noise_scheduler": teacher.scheduler} if wants_schedule else {}))
 
 
 def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | None = None,

@@ -31,16 +31,20 @@ def _levels(spec: dict, sample_size: int, size: str) -> int:
 
 
 def build_class_unet(
-    sample_size: int, in_channels: int = 1, out_channels: int | None = None, size: str = "tiny", num_classes: int = 10
+    sample_size: int, in_channels: int = 1, out_channels: int | None = None, size: str = "tiny", num_classes: int = 10,
+    gradient_checkpointing: bool = False,
 ) -> UNet2DModel:
-    """A class-conditional pixel/latent UNet; class index ``num_classes`` is the null (unconditional) class."""
+    """A class-conditional pixel/latent UNet; class index ``num_classes`` is the null (unconditional) class.
+
+    ``gradient_checkpointing`` recomputes each block in the backward pass (diffusers' switch, non-reentrant);
+    forwards without gradients (sampling) are unaffected."""
     spec = _size(size)
     levels = _levels(spec, sample_size, size)
     down = ["DownBlock2D"] * levels
     up = ["UpBlock2D"] * levels
     if levels > 1:
         down[1], up[-2] = "AttnDownBlock2D", "AttnUpBlock2D"
-    return UNet2DModel(
+    unet = UNet2DModel(
         sample_size=sample_size,
         in_channels=in_channels,
         out_channels=out_channels or in_channels,
@@ -52,18 +56,22 @@ def build_class_unet(
         norm_num_groups=8,
         num_class_embeds=num_classes + 1,
     )
+    if gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    return unet
 
 
 def build_text_unet(
     sample_size: int, in_channels: int = 4, out_channels: int | None = None, size: str = "tiny",
-    cross_attention_dim: int = 64,
+    cross_attention_dim: int = 64, gradient_checkpointing: bool = False,
 ) -> UNet2DConditionModel:
-    """A Stable-Diffusion-style UNet conditioned by cross-attention on text-encoder hidden states."""
+    """A Stable-Diffusion-style UNet conditioned by cross-attention on text-encoder hidden states
+    (``gradient_checkpointing`` as in ``build_class_unet``)."""
     spec = _size(size)
     levels = _levels(spec, sample_size, size)
     down = ["CrossAttnDownBlock2D"] * (levels - 1) + ["DownBlock2D"]
     up = ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * (levels - 1)
-    return UNet2DConditionModel(
+    unet = UNet2DConditionModel(
         sample_size=sample_size,
         in_channels=in_channels,
         out_channels=out_channels or in_channels,
@@ -75,3 +83,6 @@ def build_text_unet(
         cross_attention_dim=cross_attention_dim,
         norm_num_groups=8,
     )
+    if gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    return unet

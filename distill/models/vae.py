@@ -20,8 +20,12 @@ def build_vae(
     layers_per_block: int = 1,
     latent_channels: int = 4,
     norm_num_groups: int = 8,
+    gradient_checkpointing: bool = False,
 ) -> AutoencoderKL:
-    """An ``AutoencoderKL`` that downsamples ``len(block_out_channels) - 1`` times (32x32x1 -> 4x8x8 by default)."""
+    """An ``AutoencoderKL`` that downsamples ``len(block_out_channels) - 1`` times (32x32x1 -> 4x8x8 by default).
+
+    ``gradient_checkpointing`` recomputes each encoder/decoder block in the backward pass (diffusers' switch,
+    non-reentrant); forwards without gradients (encoding latents, reconstructions) are unaffected."""
     levels = len(block_out_channels)
     if sample_size % 2 ** (levels - 1):
         raise ValueError(
@@ -30,7 +34,7 @@ def build_vae(
         )
     if any(c % norm_num_groups for c in block_out_channels):
         raise ValueError(f"student.block_out_channels={list(block_out_channels)} must be multiples of norm_num_groups={norm_num_groups}")
-    return AutoencoderKL(
+    vae = AutoencoderKL(
         in_channels=in_channels,
         out_channels=in_channels,
         down_block_types=("DownEncoderBlock2D",) * levels,
@@ -42,6 +46,9 @@ def build_vae(
         sample_size=sample_size,
         scaling_factor=1.0,  # a placeholder until it is measured on the data (measure_scaling_factor)
     )
+    if gradient_checkpointing:
+        vae.enable_gradient_checkpointing()
+    return vae
 
 
 def latent_scaling_factor(latents: torch.Tensor) -> float:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import csv
 import netrc
 import os
 
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 from omegaconf import OmegaConf
 
 
@@ -39,3 +43,26 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("distill.wandb_offline", lambda: wandb_offline())
     if not OmegaConf.has_resolver("distill.asset"):
         OmegaConf.register_new_resolver("distill.asset", _asset)
+
+
+
+class AppendingExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer deletes an existing metrics.csv when a run resumes; this one keeps its rows
+    and continues the file (the header extends when new metrics appear)."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as f:
+                self.metrics_keys = sorted(next(csv.reader(f), []))
+
+
+class ResumableCSVLogger(CSVLogger):
+    """``CSVLogger`` that appends to the run's metrics.csv on resume instead of replacing it."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> AppendingExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
+        return self._experiment

@@ -1,0 +1,226 @@
+"""No lost work: exact resume (RNG states per rank), preemption (SIGUSR1 / SIGTERM), non-finite guard.
+
+These callbacks are always on (``distill.train`` adds them); ``conf/resilience`` configures them.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+
+import lightning as L
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: saved and stopped on a scheduler's signal; relaunch to resume
+NONFINITE_EXIT_CODE = 3
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def _gather(obj):
+    """Every rank's ``obj`` as a list ordered by rank (a one-element list without a process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        out = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def capture_rng() -> dict:
+    """This process's python, numpy and torch (CPU and CUDA) generator states, in plain types/tensors."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class RNGState(L.Callback):
+    """Stores every rank's RNG states in the checkpoint and restores them right before the first
+    training batch after a resume, so the resumed run draws the same random numbers as an unbroken one."""
+
+    def __init__(self):
+        self._pending: dict | None = None
+
+    def state_dict(self) -> dict:
+        return {"per_rank": _gather(capture_rng())}  # a collective: every rank saves checkpoints together
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        ranks = state_dict.get("per_rank") or []
+        rank = _rank()
+        if rank < len(ranks):
+            self._pending = ranks[rank]
+        elif ranks:
+            log.warning("checkpoint holds RNG states of %d rank(s); rank %d starts from its seed", len(ranks), rank)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._pending is not None:
+            restore_rng(self._pending)
+            self._pending = None
+
+
+class Preemption(L.Callback):
+    """On SIGUSR1 or SIGTERM (SLURM's warning signal, Kubernetes' eviction), finish the current step, save
+    ``last.ckpt`` on every rank in agreement at that step boundary, and stop; ``distill.train`` then exits
+    with ``PREEMPTED_EXIT_CODE`` so that the scheduler requeues the same command, which resumes."""
+
+    def __init__(self, signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM"), checkpoint_name: str = "last.ckpt"):
+        self.signals = [getattr(signal, s) for s in signals]
+        self.checkpoint_name = checkpoint_name
+        self.received: int | None = None
+        self.preempted = False
+        self._previous: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        self.received = signum
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.signals:  # replaces Lightning's own SIGTERM / SLURM handlers for the fit
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def _restore_handlers(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        stop = trainer.strategy.reduce_boolean_decision(self.received is not None, all=False)
+        if not stop or self.preempted:
+            return
+        from pathlib import Path
+
+        dirpath = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else trainer.default_root_dir
+        path = Path(dirpath) / self.checkpoint_name
+        trainer.save_checkpoint(path, weights_only=False)
+        name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
+        log.warning("received %s: saved %s at step %d and stopping; relaunch the same command to resume",
+                    name, path, trainer.global_step)
+        self.preempted = True
+        trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_handlers()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore_handlers()
+
+
+class NonFiniteGuard(L.Callback):
+    """A non-finite loss or gradient on any rank skips the optimizer step on all ranks (gradients are
+    dropped, so the weights and optimizer moments stay as they were); skipped steps are counted and
+    logged, and ``max_consecutive`` bad steps in a row abort the run with a clear error. The abort
+    happens before any checkpoint of this step is written, so the last good checkpoint stays."""
+
+    def __init__(self, max_consecutive: int = 10, inject_at_steps: list[int] | tuple = ()):
+        if max_consecutive < 1:
+            raise ValueError(f"resilience.max_consecutive_nonfinite={max_consecutive} must be >= 1")
+        self.max_consecutive = max_consecutive
+        self.inject_at_steps = set(inject_at_steps)  # fault injection for tests: NaN gradients at these steps
+        self.skipped = 0
+        self.consecutive = 0
+        self._loss_finite = True
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped, "consecutive": self.consecutive}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.skipped, self.consecutive = state_dict.get("skipped", 0), state_dict.get("consecutive", 0)
+
+    def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        self._loss_finite = bool(torch.isfinite(loss.detach()).all())
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step in self.inject_at_steps:
+            for p in pl_module.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        finite = self._loss_finite and all(bool(torch.isfinite(p.grad).all()) for p in params)
+        bad = trainer.strategy.reduce_boolean_decision(not finite, all=False)
+        if not bad:
+            self.consecutive = 0
+            return
+        for p in params:  # AdamW and SGD skip parameters without gradients: nothing moves
+            p.grad = None
+        self.skipped += 1
+        self.consecutive += 1
+        pl_module.log("train/nonfinite_skipped", float(self.skipped), rank_zero_only=True)
+        log.warning("non-finite loss or gradient at step %d: optimizer step skipped (%d in a row, %d in all)",
+                    trainer.global_step, self.consecutive, self.skipped)
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteLossError(
+                f"{self.consecutive} consecutive steps had a non-finite loss or gradient (last at step "
+                f"{trainer.global_step}); stopped without saving. The last good checkpoint is kept. Lower the "
+                "learning rate, enable gradient clipping (trainer.gradient_clip_val), or raise "
+                "resilience.max_consecutive_nonfinite"
+            )
+
+
+def describe_run(pl_module) -> dict:
+    """What a checkpoint must match to be resumed by this run: the method and the student's class."""
+    method, student = type(pl_module), type(getattr(pl_module, "student", None))
+    return {"method": f"{method.__module__}.{method.__qualname__}",
+            "student": f"{student.__module__}.{student.__qualname__}"}
+
+
+class RunIdentity(L.Callback):
+    """Writes the method, the student class and the wandb run id into every checkpoint (``distill`` key),
+    and the training metrics of the step it was saved at: Lightning writes those to the loggers only
+    after the checkpoint, so a kill in between would leave a gap in the curve. A resumed run logs them
+    again (the same values at the same step)."""
+
+    def __init__(self):
+        self._pending: dict | None = None
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        info = describe_run(pl_module)
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                info["wandb_run_id"] = logger.version
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
+        info["step_metrics"] = {"step": max(0, trainer.global_step - 1), "metrics": metrics}
+        checkpoint["distill"] = info
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self._pending = checkpoint.get("distill", {}).get("step_metrics")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self._pending and self._pending["metrics"] and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self._pending["metrics"], step=self._pending["step"])
+                logger.save()
+        self._pending = None

@@ -1,0 +1,235 @@
+"""Mixture-of-experts students: routing, auxiliary losses, equivalence with the dense student, save/load."""
+
+import math
+
+import pytest
+import torch
+from diffusers import DDPMScheduler
+
+from distill.models.moe import (
+    MoEFeedForward,
+    TimestepMoEUNet,
+    TokenMoEUNet,
+    expert_boundaries,
+    timestep_moe_student,
+    token_moe_student,
+)
+from distill.models.students import copy_student
+from distill.models.teacher import load_teacher
+from tests.sd_tiny import write_tiny_sd
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    return load_teacher(str(write_tiny_sd(tmp_path_factory.mktemp("sd") / "pipe")))
+
+
+def _inputs(n=4, seed=0, w_dim=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, 8, 8, generator=g)
+    t = torch.tensor([10, 600, 999, 250][:n])
+    cond = torch.randn(n, 7, 32, generator=g)
+    extra = {} if w_dim is None else {"timestep_cond": torch.randn(n, w_dim, generator=g)}
+    return x, t, cond, extra
+
+
+# ---------------------------------------------------------------- timestep routing
+
+
+def test_boundaries_split_steps_or_log_snr_equally():
+    assert expert_boundaries(4, "equal_step") == [250, 500, 750]
+    abar = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012).alphas_cumprod
+    b = expert_boundaries(3, "equal_snr", abar)
+    logsnr = torch.log(abar / (1 - abar))
+    span = float(logsnr[0] - logsnr[-1])
+    # each hand-over is the first timestep past 1/3 and 2/3 of the log-SNR span
+    for k, t in enumerate(b, start=1):
+        assert float(logsnr[0] - logsnr[t]) >= k * span / 3 > float(logsnr[0] - logsnr[t - 1])
+    with pytest.raises(ValueError, match="split"):
+        expert_boundaries(2, "equal_flops")
+
+
+def test_routing_is_deterministic_per_timestep(teacher):
+    moe = timestep_moe_student(teacher.unet, num_experts=3, boundaries=[300, 700]).eval()
+    t = torch.tensor([0, 299, 300, 699, 700, 999])
+    assert moe.expert_of(t).tolist() == [0, 0, 1, 1, 2, 2]
+    assert torch.equal(moe.expert_of(t), moe.expert_of(t.flip(0)).flip(0))
+    with torch.no_grad():  # make the experts differ so that routing is visible in the output
+        for k, expert in enumerate(moe.experts):
+            expert.conv_out.bias.fill_(float(k))
+        x, tt, cond, _ = _inputs()
+        mixed = moe(x, tt, cond).sample
+        for i in range(len(tt)):  # a mixed batch equals each sample run alone by its own expert
+            k = int(moe.expert_of(tt[i:i + 1]))
+            alone = moe.experts[k](x[i:i + 1], tt[i:i + 1], cond[i:i + 1]).sample
+            torch.testing.assert_close(mixed[i:i + 1], alone, rtol=1e-5, atol=1e-5)
+    assert moe.router_stats()["router/load/e2"] == pytest.approx(0.25)  # t=999 is one of four samples
+
+
+def test_one_expert_per_call_at_sampling_time(teacher):
+    moe = timestep_moe_student(teacher.unet, num_experts=2, boundaries=[500]).eval()
+    calls = []
+    for k, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda m, a, o, k=k: calls.append(k))
+    x, _, cond, _ = _inputs()
+    with torch.no_grad():
+        moe(x, torch.tensor(800), cond)
+        moe(x, torch.tensor(100), cond)
+    assert calls == [1, 0]
+    assert moe.active_parameters() == sum(p.numel() for p in teacher.unet.parameters())
+
+
+def test_shared_layers_are_one_set_of_weights_and_round_trip(teacher, tmp_path):
+    moe = timestep_moe_student(teacher.unet, num_experts=2, boundaries=[500], time_cond_proj_dim=8,
+                               shared_layers=["conv_in", "time_embedding", "down_blocks.0"])
+    assert moe.experts[1].conv_in is moe.experts[0].conv_in
+    assert not any(k.startswith("experts.1.conv_in") for k in moe.state_dict())  # stored once
+    with torch.no_grad():
+        moe.experts[1].conv_out.weight.mul_(0.5)
+    moe.save_pretrained(tmp_path / "moe")
+    back = TimestepMoEUNet.from_pretrained(tmp_path / "moe").eval()
+    assert back.experts[1].down_blocks[0] is back.experts[0].down_blocks[0]
+    x, t, cond, extra = _inputs(w_dim=8)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x, t, cond, **extra).sample, moe.eval()(x, t, cond, **extra).sample)
+    fresh = timestep_moe_student(teacher.unet, num_experts=2, boundaries=[500], time_cond_proj_dim=8,
+                                 shared_layers=["conv_in", "time_embedding", "down_blocks.0"])
+    fresh.load_state_dict(moe.state_dict())  # strict: the aliases are filled from the stored copy
+    assert torch.equal(fresh.experts[1].conv_out.weight, moe.experts[1].conv_out.weight)
+
+
+# ---------------------------------------------------------------- token routing
+
+
+def test_top_k_sends_each_token_to_exactly_k_experts():
+    torch.manual_seed(0)
+    layer = MoEFeedForward(torch.nn.Linear(16, 16), 16, num_experts=5, top_k=2, capacity_factor=None)
+    x = torch.randn(300, 16)
+    _, probs, chosen, gates, kept = layer.route(x)
+    assert chosen.shape == (300, 2) and kept.all()
+    assert all(len(set(row)) == 2 for row in chosen.tolist())  # two distinct experts per token
+    torch.testing.assert_close(gates.sum(-1), torch.ones(300))
+    assert torch.equal(chosen, probs.topk(2, dim=-1).indices)  # the k most probable
+
+
+def test_capacity_caps_every_expert_and_keeps_first_choices_first():
+    layer = MoEFeedForward(torch.nn.Linear(8, 8), 8, num_experts=4, top_k=2, capacity_factor=1.0)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0, 0] = 5.0  # every token prefers expert 0
+    x = torch.randn(40, 8).abs()
+    _, _, chosen, _, kept = layer.route(x)
+    capacity = math.ceil(1.0 * 40 * 2 / 4)
+    for e in range(4):
+        assert int(((chosen == e) & kept).sum()) <= capacity
+    assert int(((chosen[:, 0] == 0) & kept[:, 0]).sum()) == capacity  # the first 20 first choices fit
+    assert kept[:capacity, 0].all() and not kept[capacity:, 0].any()
+
+
+def test_load_balancing_loss_equals_its_formula():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(50, 4, generator=g).softmax(-1)
+    chosen = probs.topk(2, dim=-1).indices
+    f = [sum(int(e in row) for row in chosen.tolist()) / (50 * 2) for e in range(4)]
+    P = probs.mean(0).tolist()
+    expected = 4 * sum(fi * pi for fi, pi in zip(f, P))
+    assert MoEFeedForward.load_balancing_loss(probs, chosen, 4).item() == pytest.approx(expected, rel=1e-6)
+    uniform = torch.full((8, 4), 0.25)  # perfectly balanced routing gives exactly 1
+    assert MoEFeedForward.load_balancing_loss(uniform, torch.arange(8).remainder(4)[:, None], 4).item() == pytest.approx(1.0)
+    logits = torch.randn(6, 4, generator=g)
+    assert MoEFeedForward.z_loss(logits).item() == pytest.approx(
+        sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / 6, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["token", "timestep"])
+def test_one_expert_computes_the_dense_function(teacher, kind):
+    dense = copy_student(teacher.unet, time_cond_proj_dim=8).eval()
+    with torch.no_grad():
+        dense.time_embedding.cond_proj.weight.normal_()
+    if kind == "token":
+        moe = token_moe_student(dense, num_experts=1, top_k=1, time_cond_proj_dim=None).train()  # capacity on
+    else:
+        moe = timestep_moe_student(dense, num_experts=1, time_cond_proj_dim=None).train()
+    x, t, cond, extra = _inputs(w_dim=8)
+    torch.testing.assert_close(moe(x, t, cond, **extra).sample, dense(x, t, cond, **extra).sample,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_token_moe_counts_active_parameters_and_round_trips(teacher, tmp_path):
+    moe = token_moe_student(teacher.unet, num_experts=4, top_k=1, time_cond_proj_dim=8).eval()
+    dense = sum(p.numel() for p in copy_student(teacher.unet, time_cond_proj_dim=8).parameters())
+    routers = sum(layer.router.weight.numel() for layer in moe.moe_layers())
+    assert moe.active_parameters() == dense + routers
+    assert sum(p.numel() for p in moe.parameters()) > dense
+    x, t, cond, extra = _inputs(w_dim=8)
+    with torch.no_grad():
+        out = moe(x, t, cond, **extra).sample
+    stats = moe.router_stats()
+    assert sum(stats[f"router/load/e{e}"] for e in range(4)) == pytest.approx(1.0)
+    moe.save_pretrained(tmp_path / "moe")
+    back = TokenMoEUNet.from_pretrained(tmp_path / "moe").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(x, t, cond, **extra).sample, out)
+
+
+def test_pipeline_with_a_moe_unet_loads_with_diffusers(teacher, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    moe = token_moe_student(teacher.unet, num_experts=2, top_k=1, time_cond_proj_dim=None).eval()
+    pipe = StableDiffusionPipeline(vae=teacher.vae, text_encoder=teacher.text_encoder, tokenizer=teacher.tokenizer,
+                                   unet=moe, scheduler=teacher.scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(tmp_path / "pipe")
+    back = StableDiffusionPipeline.from_pretrained(tmp_path / "pipe")
+    back.set_progress_bar_config(disable=True)
+    assert isinstance(back.unet, TokenMoEUNet)
+    kwargs = {"num_inference_steps": 2, "height": 16, "width": 16, "output_type": "pt"}
+    a = pipe(["a"], generator=torch.Generator().manual_seed(0), **kwargs).images
+    b = back(["a"], generator=torch.Generator().manual_seed(0), **kwargs).images
+    torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------- training with the distillation methods
+
+
+@pytest.fixture(scope="module")
+def tiny_sd_path(tmp_path_factory):
+    return write_tiny_sd(tmp_path_factory.mktemp("sd_cli") / "pipe")
+
+
+def test_token_moe_trains_with_consistency_logs_router_stats_and_exports(tiny_sd_path, tmp_path):
+    import csv
+
+    from diffusers import StableDiffusionPipeline
+
+    from tests.conftest import run_train
+
+    run_dir = tmp_path / "run"
+    common = ["+exp=consistency", "student=moe_token", f"teacher.pretrained_model_name_or_path={tiny_sd_path}",
+              "student.time_cond_proj_dim=8", "data.batch_size=8", "callbacks=none", "logger=csv",
+              "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", f"hydra.run.dir={run_dir}"]
+    proc = run_train(*common, "trainer.max_steps=2", "export=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = run_train(*common, "trainer.max_steps=3", "ckpt_path=last")  # loads the MoE checkpoint
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    loads = [float(r["router/load/e0"]) for r in rows if r.get("router/load/e0")]
+    assert loads and all(0.0 <= v <= 1.0 for v in loads)
+    assert any(r.get("train/aux_loss") for r in rows)
+    pipe = StableDiffusionPipeline.from_pretrained(run_dir / "export")
+    assert isinstance(pipe.unet, TokenMoEUNet) and pipe.unet.config.num_experts == 4
+
+
+def test_timestep_moe_trains_with_progressive(tiny_sd_path, tmp_path):
+    from tests.conftest import run_train
+
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=progressive", "student=moe_timestep", "student.time_cond_proj_dim=null",
+                     f"teacher.pretrained_model_name_or_path={tiny_sd_path}", "data.batch_size=8",
+                     "method.start_steps=4", "method.final_steps=1", "method.steps_per_round=1",
+                     "trainer.max_steps=2", "trainer.limit_val_batches=1", "callbacks.quality_cost=null",
+                     "logger=csv", "export=false", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    round_one = TimestepMoEUNet.from_pretrained(run_dir / "rounds" / "002-steps" / "unet")
+    assert round_one.num_experts == 2 and round_one.handover_timesteps.numel() == 1

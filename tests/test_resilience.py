@@ -1,0 +1,228 @@
+"""No lost work: exact resume after SIGKILL, preemption, atomic checkpoints, non-finite guard, bad resumes."""
+
+import csv
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distill.utils.checkpoint import CheckpointError, atomic_torch_save, resolve_resume, safe_load
+from tests.conftest import ROOT, run_train
+
+N = 8  # steps; the digits train split at batch 256 has 5 batches per epoch, so step 5 ends epoch 0
+COMMON = ["+exp=debug", "data.batch_size=256", "trainer.max_steps=8", "method.lr_scheduler.total_steps=8",
+          "method.lr_scheduler.warmup_steps=2", "trainer.limit_val_batches=0", "callbacks.samples=null",
+          "checkpoint.every_n_train_steps=1", "checkpoint.save_top_k=-1", "trainer.log_every_n_steps=1",
+          "callbacks.progress=null", "export=false", "sample_grid_seeds=0"]
+
+
+def _losses(run_dir: Path) -> dict[int, str]:
+    rows = csv.DictReader(open(run_dir / "csv" / "metrics.csv"))
+    return {int(r["step"]): r["train/loss"] for r in rows if r.get("train/loss")}
+
+
+def _assert_same_state(a: dict, b: dict, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{path}: keys differ"
+        for k in a:
+            _assert_same_state(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_state(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _assert_same_run(straight: Path, resumed: Path) -> None:
+    a, b = (safe_load(d / "checkpoints" / "last.ckpt") for d in (straight, resumed))
+    assert a["global_step"] == b["global_step"] == N
+    _assert_same_state(a["state_dict"], b["state_dict"], "state_dict")
+    _assert_same_state(a["optimizer_states"], b["optimizer_states"], "optimizer")
+    _assert_same_state(a["lr_schedulers"], b["lr_schedulers"], "lr_schedulers")
+    ema = [k for k in a["callbacks"] if k.startswith("EMA")]
+    assert ema
+    _assert_same_state(a["callbacks"][ema[0]], b["callbacks"][ema[0]], "ema")
+    la, lb = _losses(straight), _losses(resumed)
+    assert len(la) == N and la == {k: lb[k] for k in la}  # the whole loss curve, to the last printed digit
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    proc = run_train(*COMMON, "logger=csv", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def _popen(run_dir: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "distill.train", *COMMON, "logger=csv", *extra,
+                             f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
+    start = time.time()
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() - start < timeout
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("stop_after", [3, 5], ids=["mid-epoch", "epoch-boundary"])
+def test_resume_is_bit_identical(straight, tmp_path, stop_after):
+    run_dir = tmp_path / "run"
+    first = run_train(*COMMON, f"trainer.max_steps={stop_after}", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_train(*COMMON, "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    _assert_same_run(straight, run_dir)
+
+
+def test_sigkill_in_the_middle_of_a_step_then_resume(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _popen(run_dir)
+    _wait_for(run_dir / "checkpoints" / "step_0000003.ckpt", proc)
+    proc.send_signal(signal.SIGKILL)  # wherever it is: inside step 4, or writing its checkpoint
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    second = run_train(*COMMON, "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    _assert_same_run(straight, run_dir)
+
+
+def test_preemption_signal_saves_exits_and_the_same_command_resumes(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _popen(run_dir, "ckpt_path=last")
+    _wait_for(run_dir / "checkpoints" / "step_0000002.ckpt", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    if proc.returncode == 0:  # the run was already finishing its last step when the signal came
+        pytest.skip("signal arrived after the final step")
+    assert proc.returncode == 75, err[-3000:]
+    saved = safe_load(run_dir / "checkpoints" / "last.ckpt")
+    assert 2 <= saved["global_step"] < N and "relaunch the same command to resume" in out + err
+    again = run_train(*COMMON, "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")  # the same command
+    assert again.returncode == 0, again.stderr[-3000:]
+    _assert_same_run(straight, run_dir)
+
+
+# ---------------------------------------------------------------- atomic checkpoints
+
+
+def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"w": torch.ones(3)}, path)
+
+    def full_disk(obj, f):
+        f.write(b"PK\x03\x04partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="the disk is full; the previous file there is unchanged"):
+        atomic_torch_save({"w": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    assert torch.equal(safe_load(path)["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # no temporary file left behind
+
+
+def test_kill_during_a_write_leaves_the_old_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"step": 1, "w": torch.ones(3)}, path)
+    code = ("import os, time, torch; from distill.utils import checkpoint as c;"
+            "os.replace = lambda *a: time.sleep(60);"
+            f"c.atomic_torch_save({{'step': 2, 'w': torch.zeros(1000000)}}, {str(path)!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    start = time.time()
+    while not list(tmp_path.glob("last.ckpt.tmp-*")) or list(tmp_path.glob("*.tmp-*"))[0].stat().st_size < 4000000:
+        assert time.time() - start < 60 and proc.poll() is None
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    assert safe_load(path)["step"] == 1
+    found, ckpt = resolve_resume(tmp_path)
+    assert found == path and ckpt["step"] == 1 and not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+    old, new = tmp_path / "step_0000001.ckpt", tmp_path / "last.ckpt"
+    atomic_torch_save({"global_step": 1}, old)
+    time.sleep(0.01)
+    atomic_torch_save({"global_step": 2, "w": torch.ones(1000)}, new)
+    new.write_bytes(new.read_bytes()[:500])  # truncated
+    with pytest.raises(CheckpointError, match=r"last.ckpt \(500 bytes\) is unreadable"):
+        safe_load(new)
+    found, ckpt = resolve_resume(tmp_path)
+    assert found == old and ckpt["global_step"] == 1
+    assert "last.ckpt" in caplog.text and "instead of the unreadable" in caplog.text
+
+
+def test_resume_skips_a_corrupted_last_checkpoint_end_to_end(straight, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train(*COMMON, "trainer.max_steps=4", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    last.write_bytes(b"garbage" * 10)
+    os.utime(last)  # the newest file
+    proc = run_train(*COMMON, "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "last.ckpt (70 bytes) is unreadable" in said and "resuming from" in said and "step_0000004.ckpt" in said
+    _assert_same_run(straight, run_dir)
+
+
+def test_pickled_code_is_not_executed(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "x": Boom()}, path)
+    with pytest.raises(CheckpointError, match="not a weights-only checkpoint"):
+        safe_load(path)
+    assert not (tmp_path / "pwned").exists()
+
+
+# ---------------------------------------------------------------- non-finite guard and bad resumes
+
+
+def test_nonfinite_steps_are_skipped_and_counted(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(*COMMON, "resilience.inject_nonfinite_at_steps=[2,3]", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    assert max(float(r["train/nonfinite_skipped"]) for r in rows if r.get("train/nonfinite_skipped")) == 2.0
+    ckpt2, ckpt4 = (safe_load(run_dir / "checkpoints" / f"step_000000{s}.ckpt") for s in (2, 4))
+    for k, v in ckpt4["state_dict"].items():  # the 3rd and 4th steps changed nothing
+        assert torch.isfinite(v).all()
+        if k.startswith("student."):
+            assert torch.equal(v, ckpt2["state_dict"][k]), k
+
+
+def test_consecutive_nonfinite_steps_abort_and_keep_good_checkpoints(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(*COMMON, "resilience.inject_nonfinite_at_steps=[3,4,5]", "resilience.max_consecutive_nonfinite=3",
+                     "logger=csv", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 3 and "3 consecutive steps had a non-finite loss or gradient" in proc.stderr
+    for ckpt in (run_dir / "checkpoints").glob("*.ckpt"):
+        assert all(torch.isfinite(v).all() for v in safe_load(ckpt)["state_dict"].values())
+    assert safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"] <= 5
+
+
+def test_checkpoint_of_another_architecture_is_refused_before_compute(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train(*COMMON, "trainer.max_steps=2", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (run_dir / "checkpoints" / "last.ckpt").read_bytes()
+    proc = run_train(*COMMON, "student.size=tiny", "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2 and "does not fit this student" in proc.stderr
+    assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() == before
