@@ -153,6 +153,7 @@ def run(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed + global_rank(), workers=True)
     try:
         datamodule, method, trainer = _instantiate_all(cfg)
+        datamodule.setup("fit")  # an empty or unreadable data folder fails here, before any compute
         if checkpoint is not None:
             _check_compatible(checkpoint, ckpt_path, method)
     except (InstantiationException, ValueError, FileNotFoundError) as err:

@@ -32,6 +32,9 @@ def test_cfg_job_prints_composed_config():
         (["data.resolution=18"], 2, "not divisible"),
         (["ckpt_path=/nonexistent/x.ckpt"], 2, "ckpt_path='/nonexistent/x.ckpt'"),
         (["+exp=nonexistent"], 1, "nonexistent"),
+        (["+exp=consistency", "callbacks=none"], 2, "callbacks.quality_cost has settings but no _target_"),
+        (["+exp=consistency", "teacher.pretrained_model_name_or_path=/no/such/teacher"], 2, "/no/such/teacher"),
+        (["+exp=progressive_w", "student.time_cond_proj_dim=null"], 2, "time_cond_proj_dim"),
     ],
 )
 def test_bad_config_fails_early_and_writes_nothing(tmp_path, overrides, code, needle):
@@ -39,4 +42,19 @@ def test_bad_config_fails_early_and_writes_nothing(tmp_path, overrides, code, ne
     proc = run_train(*overrides, f"hydra.run.dir={run_dir}", "logger=csv", timeout=120)
     assert proc.returncode == code, proc.stderr[-2000:]
     assert needle in proc.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("content", ["empty", "broken"])
+def test_data_folder_without_usable_images_fails_before_training(tmp_path, content):
+    root = tmp_path / "images"
+    root.mkdir()
+    if content == "broken":
+        (root / "a.png").write_bytes(b"not a png")
+    run_dir = tmp_path / "run"
+    proc = run_train("data=imagefolder", f"data.root={root}", "data.resolution=16", "data.channels=1",
+                     "data.skip_unreadable=false" if content == "broken" else "data.skip_unreadable=true",
+                     f"hydra.run.dir={run_dir}", "logger=csv", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("a.png" if content == "broken" else "holds no readable image") in proc.stderr
     assert not run_dir.exists()

@@ -207,7 +207,7 @@ def test_token_moe_trains_with_consistency_logs_router_stats_and_exports(tiny_sd
 
     run_dir = tmp_path / "run"
     common = ["+exp=consistency", "student=moe_token", f"teacher.pretrained_model_name_or_path={tiny_sd_path}",
-              "student.time_cond_proj_dim=8", "data.batch_size=8", "callbacks=none", "logger=csv",
+              "student.time_cond_proj_dim=8", "data.batch_size=8", "callbacks.quality_cost=null", "logger=csv",
               "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", f"hydra.run.dir={run_dir}"]
     proc = run_train(*common, "trainer.max_steps=2", "export=false")
     assert proc.returncode == 0, proc.stderr[-3000:]

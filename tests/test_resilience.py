@@ -226,3 +226,34 @@ def test_checkpoint_of_another_architecture_is_refused_before_compute(tmp_path):
     proc = run_train(*COMMON, "student.size=tiny", "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 2 and "does not fit this student" in proc.stderr
     assert (run_dir / "checkpoints" / "last.ckpt").read_bytes() == before
+
+
+# ---------------------------------------------------------------- the same with 2 CPU processes (DDP, gloo)
+
+DDP = ["trainer=cpu_ddp", "data.batch_size=128"]  # 718 images per rank: 5 batches per rank per epoch
+
+
+@pytest.fixture(scope="module")
+def straight_ddp(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight_ddp") / "run"
+    proc = run_train(*COMMON, *DDP, "logger=csv", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_ddp_resume_and_preemption(straight_ddp, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train(*COMMON, *DDP, "trainer.max_steps=3", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = safe_load(run_dir / "checkpoints" / "last.ckpt")
+    assert len(saved["callbacks"]["RNGState"]["per_rank"]) == 2  # both ranks' generators are in the file
+    proc = _popen(run_dir, *DDP, "ckpt_path=last")  # resumes at step 3, then gets preempted
+    _wait_for(run_dir / "checkpoints" / "step_0000004.ckpt", proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    if proc.returncode != 0:
+        assert proc.returncode == 75, err[-3000:]
+        assert safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"] < N
+        again = run_train(*COMMON, *DDP, "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")
+        assert again.returncode == 0, again.stderr[-3000:]
+    _assert_same_run(straight_ddp, run_dir)

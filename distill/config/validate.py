@@ -162,6 +162,13 @@ def validate(cfg: DictConfig) -> None:
         _choice("method.loss_type", method.loss_type, CONSISTENCY_LOSSES)
     if "ema_decay" in method and not 0.0 <= method.ema_decay < 1.0:
         raise ConfigError(f"method.ema_decay={method.ema_decay} must be in [0, 1) (0 = stop-gradient target)")
+    for group in ("callbacks", "logger"):
+        for name, node in (cfg.get(group) or {}).items():
+            if node is not None and "_target_" not in node:
+                raise ConfigError(
+                    f"{group}.{name} has settings but no _target_: the chosen {group} option does not include "
+                    f"{name!r}; add it to the list ({group}=[...,{name}]) or drop it with {group}.{name}=null"
+                )
     if cfg.ckpt_path not in (None, "last"):
         from pathlib import Path
 
