@@ -17,3 +17,6 @@ cp outputs/evaluate_teacher/pareto.png docs/teacher_pareto.png
 $PY -m distill.train +exp=progressive hydra.run.dir=outputs/progressive_demo logger=csv
 cp outputs/progressive_demo/plots/pareto_step_0001200.png docs/progressive_pareto.png
 cp outputs/progressive_demo/quality_cost.csv docs/progressive_quality_cost.csv
+$PY -m distill.train +exp=progressive_w hydra.run.dir=outputs/progressive_w_demo logger=csv
+cp outputs/progressive_w_demo/plots/pareto_step_0001500.png docs/progressive_w_pareto.png
+cp outputs/progressive_w_demo/quality_cost.csv docs/progressive_w_quality_cost.csv
