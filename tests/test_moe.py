@@ -237,3 +237,18 @@ def test_moe_students_train_with_progressive(tiny_sd_path, tmp_path, student, cl
     assert isinstance(round_one, cls)
     if cls is TimestepMoEUNet:
         assert round_one.num_experts == 2 and round_one.handover_timesteps.numel() == 1
+
+
+@pytest.mark.parametrize("build", [token_moe_student, timestep_moe_student])
+def test_gradient_checkpointing_changes_no_gradient(teacher, build):
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        moe = build(teacher.unet, time_cond_proj_dim=None, gradient_checkpointing=checkpointing)
+        assert any(getattr(m, "gradient_checkpointing", False) for m in moe.modules()) == checkpointing
+        x, t, cond, _ = _inputs()
+        moe(x, t, cond).sample.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in moe.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6)
