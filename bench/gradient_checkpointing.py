@@ -4,10 +4,12 @@
 
 One training step of the digits teacher's copy student (``copy_student(unet, 256)``, as in the consistency
 and progressive experiments): forward on random latents (4 x S x S, S = the teacher's latent size unless
-``--latent-size``) and random text embeddings, MSE loss, backward, AdamW step. Each configuration runs in
-a fresh subprocess; two warm-up steps create the gradients and the optimizer state first, so that what the
-measured steps add is activations and temporaries. Step time and peak are medians over ``steps`` steps.
-Peak activation memory is the step's peak minus the memory just before it: on CUDA from
+``--latent-size``) and random text embeddings, MSE loss, backward, AdamW step. Two warm-up steps create the
+gradients and the optimizer state first, so that what the measured steps add is activations and temporaries;
+step time and peak are medians over ``steps`` steps. Step times come from one process that alternates steps
+with and without checkpointing (the VM's speed drifts between processes by more than the effect), with the
+default allocator; peak memory from a fresh process per configuration. Peak activation memory is the step's peak minus the memory
+just before it: on CUDA from
 ``max_memory_allocated``; on CPU the peak resident set (VmHWM, reset by writing 5 to /proc/self/clear_refs)
 minus the resident set before the step, with MALLOC_MMAP_THRESHOLD_=65536 so that glibc returns freed
 large tensors to the OS instead of keeping them. Results go in BENCHMARKS.md.
@@ -46,13 +48,15 @@ def _reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
 
 
-def measure(batch_size: int, latent_size: int | None, checkpointing: bool, steps: int, device: str) -> dict:
-    """Median step time (s) and peak activation memory (bytes) of ``steps`` training steps after warm-up."""
+def measure(batch_size: int, latent_size: int | None, flags: list[bool], steps: int, device: str) -> list[dict]:
+    """A copy student per gradient-checkpointing flag in ``flags`` (same weights, same inputs), their training
+    steps interleaved so that a slow spell of the machine hits each alike: median step time (s) and peak
+    activation memory (bytes) over ``steps`` steps each, after two warm-up steps each."""
     torch.manual_seed(0)
     teacher = load_teacher(str(asset_path("teacher")))
-    student = copy_student(teacher.unet, time_cond_proj_dim=256, gradient_checkpointing=checkpointing).to(device)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4)
-    cfg, n = student.config, batch_size
+    students = [copy_student(teacher.unet, time_cond_proj_dim=256, gradient_checkpointing=f).to(device) for f in flags]
+    optimizers = [torch.optim.AdamW(s.parameters(), lr=1e-4) for s in students]
+    cfg, n = students[0].config, batch_size
     size = latent_size or cfg.sample_size
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(n, cfg.in_channels, size, size, generator=g).to(device)  # (N, 4, S, S)
@@ -62,42 +66,59 @@ def measure(batch_size: int, latent_size: int | None, checkpointing: bool, steps
     t = torch.randint(0, 1000, (n,), generator=g).to(device)
     cuda = device.startswith("cuda")
 
-    def step():
-        optimizer.zero_grad(set_to_none=False)  # the gradients stay allocated: they are not activations
-        pred = student(latents, t, encoder_hidden_states=text, timestep_cond=w_embedding).sample
+    def step(i: int) -> None:
+        optimizers[i].zero_grad(set_to_none=False)  # the gradients stay allocated: they are not activations
+        pred = students[i](latents, t, encoder_hidden_states=text, timestep_cond=w_embedding).sample
         F.mse_loss(pred, target).backward()
-        optimizer.step()
+        optimizers[i].step()
 
     for _ in range(2):
-        step()
-    times, peaks = [], []
+        for i in range(len(flags)):
+            step(i)
+    times, peaks = [[] for _ in flags], [[] for _ in flags]
     for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-        else:
-            before = _status_bytes("VmRSS")
-            _reset_peak_rss()
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        peaks.append((torch.cuda.max_memory_allocated() if cuda else _status_bytes("VmHWM")) - before)
-    return {"batch_size": n, "latent_size": size, "gradient_checkpointing": checkpointing,
-            "step_s": statistics.median(times), "peak_activation_bytes": statistics.median(peaks),
-            "parameters": sum(p.numel() for p in student.parameters())}
+        for i in range(len(flags)):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            else:
+                before = _status_bytes("VmRSS")
+                _reset_peak_rss()
+            start = time.perf_counter()
+            step(i)
+            if cuda:
+                torch.cuda.synchronize()
+            times[i].append(time.perf_counter() - start)
+            peaks[i].append((torch.cuda.max_memory_allocated() if cuda else _status_bytes("VmHWM")) - before)
+    return [{"batch_size": n, "latent_size": size, "gradient_checkpointing": f, "step_s": statistics.median(times[i]),
+             "step_s_all": times[i], "peak_activation_bytes": statistics.median(peaks[i]),
+             "parameters": sum(p.numel() for p in students[i].parameters())} for i, f in enumerate(flags)]
 
 
-def run_fresh(batch_size: int, latent_size: int | None, checkpointing: bool, steps: int, device: str) -> dict:
+def run_fresh(batch_size: int, latent_size: int | None, flags: list[bool], steps: int, device: str,
+              env: dict | None = None) -> list[dict]:
     """``measure`` in a new interpreter, so that no configuration inherits another's heap."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    spec = json.dumps([batch_size, latent_size, checkpointing, steps, device])
-    proc = subprocess.run([sys.executable, __file__, "--worker", spec], env=env, capture_output=True, text=True)
+    spec = json.dumps([batch_size, latent_size, flags, steps, device])
+    proc = subprocess.run([sys.executable, __file__, "--worker", spec], env={**os.environ, **(env or {})},
+                          capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"worker {spec} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compare(batch_size: int, latent_size: int | None, steps: int, device: str) -> list[dict]:
+    """Rows without and with checkpointing: step times from one process that interleaves the two (with the
+    default allocator, as training runs), peak activation memory from a fresh process per configuration."""
+    off, on = run_fresh(batch_size, latent_size, [False, True], steps, device)
+    for row in (off, on):
+        # every large block mmap'd, so freed ones leave the resident set (this slows the step: timed above instead)
+        alone = run_fresh(batch_size, latent_size, [row["gradient_checkpointing"]], steps, device,
+                          env={"MALLOC_MMAP_THRESHOLD_": "65536"})[0]
+        row["peak_activation_bytes"] = alone["peak_activation_bytes"]
+    on["memory_change"] = on["peak_activation_bytes"] / off["peak_activation_bytes"] - 1
+    on["time_change"] = on["step_s"] / off["step_s"] - 1
+    return [off, on]
 
 
 def main() -> None:
@@ -115,12 +136,7 @@ def main() -> None:
     if args.device == "cpu" and not Path("/proc/self/clear_refs").exists():
         raise SystemExit("CPU peak memory needs Linux's /proc/self/clear_refs; use --device cuda")
 
-    rows = []
-    for n in args.batch_sizes:
-        off, on = (run_fresh(n, args.latent_size, c, args.steps, args.device) for c in (False, True))
-        on["memory_change"] = on["peak_activation_bytes"] / off["peak_activation_bytes"] - 1
-        on["time_change"] = on["step_s"] / off["step_s"] - 1
-        rows += [off, on]
+    rows = [row for n in args.batch_sizes for row in compare(n, args.latent_size, args.steps, args.device)]
     print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, "
           f"copy student ({rows[0]['parameters'] / 1e6:.2f}M parameters), median of {args.steps} steps")
     print("| batch | latent | checkpointing | step time (ms) | peak activation memory (MiB) | memory | time |")

@@ -23,6 +23,15 @@ KINDS = ("copy", "lora", "class_unet", "text_unet", "vae", "clip", "digit_classi
 N = 4  # batch; BatchNorm needs more than one sample
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The models are tiny: one thread is faster than two, and does not stall when the cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def teacher_unet(tmp_path_factory):
     return load_teacher(str(write_tiny_sd(tmp_path_factory.mktemp("sd")))).unet  # debug text UNet, 4x8x8, ctx dim 32
@@ -92,6 +101,20 @@ def spy_checkpoints(model: torch.nn.Module, monkeypatch) -> list:
             monkeypatch.setattr(module, "_gradient_checkpointing_func", counting(module._gradient_checkpointing_func))
     monkeypatch.setattr(classifier_module, "checkpoint", counting(classifier_module.checkpoint))
     return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("enabled", [False, True])
+def test_config_switch_reaches_every_student(compose, kind, enabled, teacher_unet):
+    """``student=<kind> student.gradient_checkpointing=...`` through the real config and its builder."""
+    from hydra.utils import instantiate
+
+    required = ["student.sample_size=8", "student.cross_attention_dim=64"] if kind == "text_unet" else []
+    cfg = compose(f"student={kind}", f"student.gradient_checkpointing={str(enabled).lower()}", *required)
+    student = instantiate(cfg.student)
+    if kind in ("copy", "lora"):  # partials of the teacher's UNet
+        student = student(copy.deepcopy(teacher_unet))
+    assert any(getattr(m, "gradient_checkpointing", False) for m in student.modules()) == enabled
 
 
 @pytest.mark.parametrize("kind", KINDS)
