@@ -20,3 +20,9 @@ cp outputs/progressive_demo/quality_cost.csv docs/progressive_quality_cost.csv
 $PY -m distill.train +exp=progressive_w hydra.run.dir=outputs/progressive_w_demo logger=csv
 cp outputs/progressive_w_demo/plots/pareto_step_0001500.png docs/progressive_w_pareto.png
 cp outputs/progressive_w_demo/quality_cost.csv docs/progressive_w_quality_cost.csv
+for s in copy moe_timestep moe_token; do
+  $PY -m distill.train +exp=consistency student=$s trainer.max_steps=500 method.lr_scheduler.total_steps=500 \
+    callbacks.quality_cost.every_n_steps=500 callbacks.quality_cost.teacher=null logger=csv sample_grid_seeds=0 \
+    hydra.run.dir=outputs/moe_compare/$s
+  cp outputs/moe_compare/$s/quality_cost.csv docs/moe_compare_$s.csv
+done
