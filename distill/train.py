@@ -138,6 +138,7 @@ def run(cfg: DictConfig) -> dict:
         NonFiniteLossError,
         Preemption,
     )
+    from distill.data.resumable import ResumableDataMixin
     from distill.utils.checkpoint import CheckpointError
 
     try:
@@ -149,11 +150,12 @@ def run(cfg: DictConfig) -> dict:
         cfg.logger.wandb.id = wandb_id
         OmegaConf.update(cfg, "logger.wandb.resume", "allow", force_add=True)
 
-    _quiet_known_warnings()
     L.seed_everything(cfg.seed + global_rank(), workers=True)
     try:
         datamodule, method, trainer = _instantiate_all(cfg)
         datamodule.setup("fit")  # an empty or unreadable data folder fails here, before any compute
+        if isinstance(datamodule, ResumableDataMixin):
+            _quiet_known_warnings()
         if checkpoint is not None:
             _check_compatible(checkpoint, ckpt_path, method)
     except (InstantiationException, ValueError, FileNotFoundError) as err:
