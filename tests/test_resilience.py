@@ -64,7 +64,7 @@ def straight(tmp_path_factory):
 
 
 def _popen(run_dir: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "WANDB_MODE": "offline"}  # the same threads as run_train: bit-identity needs them
     return subprocess.Popen([sys.executable, "-m", "distill.train", *COMMON, "logger=csv", *extra,
                              f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -220,6 +220,12 @@ class MoEFeedForward(nn.Module):
         self.aux: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
 
+    def __getstate__(self) -> dict:
+        """Copies (deepcopy, pickling) leave out the last forward's loss and statistics (graph tensors)."""
+        state = dict(super().__getstate__())
+        state["aux"], state["stats"] = None, {}
+        return state
+
     def capacity(self, tokens: int) -> int | None:
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         return None if factor is None else max(1, math.ceil(factor * tokens * self.top_k / self.num_experts))
