@@ -53,7 +53,6 @@ def test_routing_is_deterministic_per_timestep(teacher):
     moe = timestep_moe_student(teacher.unet, num_experts=3, boundaries=[300, 700]).eval()
     t = torch.tensor([0, 299, 300, 699, 700, 999])
     assert moe.expert_of(t).tolist() == [0, 0, 1, 1, 2, 2]
-    assert torch.equal(moe.expert_of(t), moe.expert_of(t.flip(0)).flip(0))
     with torch.no_grad():  # make the experts differ so that routing is visible in the output
         for k, expert in enumerate(moe.experts):
             expert.conv_out.bias.fill_(float(k))

@@ -167,7 +167,8 @@ class NonFiniteGuard(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        finite = self._loss_finite and all(bool(torch.isfinite(p.grad).all()) for p in params)
+        # one device sync per step: a single reduction over every gradient, not one per parameter
+        finite = self._loss_finite and (not params or bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all()))
         bad = trainer.strategy.reduce_boolean_decision(not finite, all=False)
         if not bad:
             self.consecutive = 0

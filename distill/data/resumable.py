@@ -37,8 +37,7 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self._resume = epoch, (epoch, batches_done)
 
     def _shard_size(self) -> int:
-        per_rank = self.length // self.world_size if self.drop_last else math.ceil(self.length / self.world_size)
-        return per_rank
+        return self.length // self.world_size if self.drop_last else math.ceil(self.length / self.world_size)
 
     def __len__(self) -> int:
         n = self._shard_size()
