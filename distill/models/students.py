@@ -39,10 +39,12 @@ def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | N
 def lora_student(teacher_unet: UNet2DConditionModel, rank: int = 8, alpha: float | None = None,
                  target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out",
                                                    "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "conv_shortcut",
-                                                   "time_emb_proj"),
+                                                   "downsamplers.0.conv", "upsamplers.0.conv", "time_emb_proj"),
                  gradient_checkpointing: bool = False) -> UNet2DConditionModel:
     """LoRA adapters (peft) on the teacher UNet itself; with the adapters disabled it is the teacher
-    (LCM-LoRA, Luo et al. 2023b). Only the adapter weights train."""
+    (LCM-LoRA, Luo et al. 2023b). Only the adapter weights train. The default targets are those of
+    diffusers' LCM-LoRA script (train_lcm_distill_lora_sd_wds.py): attention, feed-forward, resnet and
+    time-embedding layers and the down/upsampler convolutions."""
     from peft import LoraConfig
 
     teacher_unet.requires_grad_(False)
