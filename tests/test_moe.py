@@ -140,6 +140,125 @@ def test_load_balancing_loss_equals_its_formula():
         sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / 6, rel=1e-5)
 
 
+def _router_task_loss(layer: MoEFeedForward, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (layer(x) - target).square().sum()
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_task_loss_alone_trains_the_router_and_matches_finite_differences(top_k):
+    torch.manual_seed(0)
+    layer = MoEFeedForward(torch.nn.Linear(6, 6), 6, num_experts=4, top_k=top_k, capacity_factor=None,
+                           load_balance_weight=0.0, z_loss_weight=0.0).double()
+    with torch.no_grad():
+        layer.router.weight.normal_()  # a spread of router probabilities
+        for expert in layer.experts:  # experts that differ, so that the gates matter
+            expert.weight.normal_()
+    x, target = torch.randn(24, 6, dtype=torch.float64), torch.randn(24, 6, dtype=torch.float64)
+    weight = layer.router.weight
+    (grad,) = torch.autograd.grad(_router_task_loss(layer, x, target), weight)
+    assert grad.norm() > 1e-2  # the task loss reaches the router with k = 1 as with k = 2
+    chosen = layer.route(x)[2]
+    eps, numeric = 1e-6, torch.zeros_like(weight)
+    with torch.no_grad():
+        for idx in [(i, j) for i in range(weight.shape[0]) for j in range(weight.shape[1])]:
+            losses = []
+            for step in (eps, -2 * eps):
+                weight[idx] += step
+                assert torch.equal(layer.route(x)[2], chosen)  # no routing flips within +-eps
+                losses.append(_router_task_loss(layer, x, target))
+            weight[idx] += eps
+            numeric[idx] = (losses[0] - losses[1]) / (2 * eps)
+    torch.testing.assert_close(grad, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_top_1_gate_is_the_router_probability_of_the_chosen_expert():
+    torch.manual_seed(0)
+    layer = MoEFeedForward(torch.nn.Linear(8, 8), 8, num_experts=4, top_k=1, capacity_factor=None)
+    with torch.no_grad():
+        layer.router.weight.normal_()
+    x = torch.randn(50, 8)
+    _, _, chosen, gates, _ = layer.route(x)
+    logits = x @ layer.router.weight.T
+    p = logits.exp() / logits.exp().sum(-1, keepdim=True)  # Switch eq. 1
+    assert torch.equal(chosen[:, 0], p.argmax(-1))
+    torch.testing.assert_close(gates[:, 0], p.max(-1).values)  # eq. 2: y = p_i(x) E_i(x)
+    assert gates.max() < 1.0 and gates.min() > 0.25  # a real probability, at least 1/E for the arg-max
+    with torch.no_grad():  # y = p_i(x) E_i(x) token by token
+        out = layer(x)
+        for n in range(0, 50, 7):
+            e = int(chosen[n, 0])
+            torch.testing.assert_close(out[n], p[n, e] * layer.experts[e](x[n]))
+
+
+def _formula_aux(logits: list[torch.Tensor], num_experts: int, top_k: int, lb_weight: float, z_weight: float):
+    """sum over layers of lb_weight * E sum_i f_i P_i + z_weight * mean(logsumexp^2), from each layer's logits."""
+    total = 0.0
+    for layer_logits in logits:
+        p = layer_logits.double().softmax(-1)
+        chosen = p.topk(top_k, dim=-1).indices
+        f = torch.stack([(chosen == i).any(-1).double().mean() / top_k for i in range(num_experts)])
+        lb = num_experts * float((f * p.mean(0)).sum())
+        z = float(torch.logsumexp(layer_logits.double(), -1).pow(2).mean())
+        total += lb_weight * lb + z_weight * z
+    return total
+
+
+def test_aux_loss_is_the_weighted_sum_over_layers(teacher):
+    moe = token_moe_student(teacher.unet, num_experts=3, top_k=2, load_balance_weight=0.01, z_loss_weight=0.001,
+                            time_cond_proj_dim=None)
+    with torch.no_grad():
+        for layer in moe.moe_layers():
+            layer.router.weight.normal_()
+    logits = []
+    for layer in moe.moe_layers():
+        layer.router.register_forward_hook(lambda m, a, out: logits.append(out.detach()))
+    x, t, cond, _ = _inputs()
+    moe(x, t, cond)
+    assert len(logits) == len(moe.moe_layers()) > 1
+    expected = _formula_aux(logits, 3, 2, 0.01, 0.001)  # Switch sec. 2.2: every layer's loss joins the total
+    assert moe.aux_loss().item() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("build", [token_moe_student, timestep_moe_student])
+def test_no_grad_pass_in_training_keeps_the_students_routing_record(teacher, build):
+    moe = build(teacher.unet, num_experts=2, time_cond_proj_dim=None).train()
+    x, t, cond, _ = _inputs()
+    moe(x, t, cond)
+    aux, stats = moe.aux_loss(), moe.router_stats()
+    x_prev, t_prev = x.flip(0) * 2, torch.tensor([700, 800, 900, 990])  # all on the high-noise expert
+    with torch.no_grad():  # the LCM target pass through the student itself (ema_decay=0): other x, t
+        moe(x_prev, t_prev, cond)
+    assert moe.router_stats() == stats
+    if aux is not None:
+        assert moe.aux_loss().grad_fn is not None and moe.aux_loss().item() == aux.item()
+    with torch.no_grad():  # sampling (eval mode) records its own routing
+        moe.eval()(x_prev, t_prev, cond)
+    assert moe.router_stats() != stats
+
+
+def test_consistency_with_ema_decay_0_adds_the_students_aux_loss(teacher):
+    import functools
+
+    from distill.methods.consistency import LatentConsistencyDistillation
+
+    torch.manual_seed(0)
+    method = LatentConsistencyDistillation(
+        teacher, functools.partial(token_moe_student, num_experts=2, top_k=1, time_cond_proj_dim=8),
+        optimizer=torch.optim.AdamW, ema_decay=0.0, cache_prompts=False)
+    student, passes, task = method.student, [], []
+    student.register_forward_hook(lambda m, a, o: passes.append((torch.is_grad_enabled(), m.aux_loss())))
+    loss_fn = method.loss
+    method.loss = lambda batch, generator=None: task.append(loss_fn(batch, generator)) or task[-1]
+    batch = {"pixel_values": torch.rand(4, 1, 32, 32) * 2 - 1, "caption": ["a handwritten digit one"] * 4}
+    total = method.training_step(batch, 0)
+    assert [grad for grad, _ in passes] == [True, False]  # the student's pass, then the stop-gradient target
+    own_aux = passes[0][1]
+    assert total.item() == pytest.approx((task[0] + own_aux).item(), rel=1e-6)
+    routers = [layer.router.weight for layer in student.moe_layers()]
+    grads = torch.autograd.grad(total - task[0], routers, allow_unused=True)  # the aux term's router gradient
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
 @pytest.mark.parametrize("kind", ["token", "timestep"])
 def test_one_expert_computes_the_dense_function(teacher, kind):
     dense = copy_student(teacher.unet, time_cond_proj_dim=8).eval()

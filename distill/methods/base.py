@@ -64,8 +64,9 @@ class DistillMethod(L.LightningModule):
         self.lr_scheduler_factory = lr_scheduler
 
     def add_student_aux_loss(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """``loss`` plus the auxiliary loss of a mixture-of-experts student's last forward (router load
-        balancing, z-loss), whose router statistics (expert load overall and per noise level) are logged."""
+        """``loss`` plus the auxiliary loss of a mixture-of-experts student's last own forward (router load
+        balancing, z-loss; a stop-gradient target pass does not replace it), whose router statistics
+        (expert load overall and per noise level) are logged."""
         from distill.models.moe import moe_aux_and_stats
 
         aux, stats = moe_aux_and_stats(self.student)

@@ -5,9 +5,14 @@
   runs per call and the cost of one network evaluation equals the dense UNet's.
 * ``TokenMoEUNet``: the dense UNet with the feed-forward layer of every transformer block replaced by a
   sparse top-k mixture of experts (Shazeer et al. 2017; Switch Transformer, Fedus et al. 2022): a
-  linear router, top-k gates renormalised over the chosen experts, a per-expert capacity, the
-  load-balancing auxiliary loss and the optional router z-loss (ST-MoE, Zoph et al. 2022). Only the
-  chosen experts run.
+  linear router whose probability gates the chosen expert (top-1, Switch) or whose top-k
+  probabilities are renormalised over the chosen experts (k >= 2, GShard / Mixtral), a per-expert
+  capacity, the load-balancing auxiliary loss and the optional router z-loss (ST-MoE, Zoph et al.
+  2022), summed over the MoE layers. Only the chosen experts run.
+
+Routing records (auxiliary loss, router statistics) are kept from the student's own forward only: a
+forward in training mode without gradients is a stop-gradient target pass through the same module
+(latent consistency distillation with ``ema_decay=0``) and leaves the record of the pass that trains.
 
 Both are diffusers ``ModelMixin`` models: ``save_pretrained`` / ``from_pretrained`` work, and a
 ``StableDiffusionPipeline`` saved with one as its ``unet`` loads back with diffusers' own
@@ -41,6 +46,12 @@ def _pipeline_config(unet_config: dict) -> dict:
 def _timesteps_like(timestep, sample: torch.Tensor) -> torch.Tensor:
     t = torch.as_tensor(timestep, device=sample.device)
     return t.reshape(1).expand(sample.shape[0]) if t.ndim == 0 else t
+
+
+def records_routing(module: nn.Module) -> bool:
+    """Whether this forward of ``module`` replaces its routing record: any forward except a training-mode one
+    without gradients, which is a stop-gradient target pass whose routing no loss trains."""
+    return torch.is_grad_enabled() or not module.training
 
 
 def _bin_load(load: torch.Tensor, t: torch.Tensor, num_train_timesteps: int, prefix: str) -> dict[str, float]:
@@ -151,8 +162,9 @@ class TimestepMoEUNet(ModelMixin, ConfigMixin):
                 timestep_cond: torch.Tensor | None = None, return_dict: bool = True, **kwargs):
         t = _timesteps_like(timestep, sample)
         route = self.expert_of(t)
-        self.last_timesteps = t.detach()
-        self.last_load = F.one_hot(route, self.num_experts).float()
+        if records_routing(self):
+            self.last_timesteps = t.detach()
+            self.last_load = F.one_hot(route, self.num_experts).float()
         chosen = route.unique()
         if chosen.numel() == 1:  # the usual case at sampling time: one expert runs
             out = self.experts[int(chosen)](sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond,
@@ -232,10 +244,11 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x: torch.Tensor):
         """Router logits, probabilities, chosen experts and gates (T, k), and which choices fit (T, k)."""
-        logits = self.router(x).float()
+        logits = self.router(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half routes in float32 (Switch)
         probs = logits.softmax(-1)
-        gates, chosen = probs.topk(self.top_k, dim=-1)
-        gates = gates / gates.sum(-1, keepdim=True)
+        top, chosen = probs.topk(self.top_k, dim=-1)
+        gates = self.gates(top)
         capacity = self.capacity(x.shape[0])
         if capacity is None:
             kept = torch.ones_like(chosen, dtype=torch.bool)
@@ -244,6 +257,14 @@ class MoEFeedForward(nn.Module):
             position = (onehot.cumsum(0) - 1)[onehot.bool()].reshape(self.top_k, -1).transpose(0, 1)
             kept = position < capacity
         return logits, probs, chosen, gates, kept
+
+    @staticmethod
+    def gates(top: torch.Tensor) -> torch.Tensor:
+        """Gates of the chosen experts from their router probabilities (T, k): top-1 keeps p_i(x)
+        (Switch Transformer, Fedus et al. 2022, eq. 2: y = p_i(x) E_i(x)), so the task loss trains the
+        router; k >= 2 renormalises, p_i / sum_j p_j (GShard top-2, Lepikhin et al. 2020, Algorithm 1:
+        g1 / (g1 + g2); Mixtral, Jiang et al. 2024, sec. 2.1: Softmax(TopK(x W_g)))."""
+        return top if top.shape[-1] == 1 else top / top.sum(-1, keepdim=True)
 
     @staticmethod
     def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -265,17 +286,24 @@ class MoEFeedForward(nn.Module):
             if token.numel():
                 y = self.experts[e](x[token])
                 out = out.index_add(0, token, y * gates[token, slot, None].to(y.dtype))
+        if records_routing(self):
+            self.record(logits, probs, chosen, kept, shape[0] if len(shape) > 2 else 1)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def record(self, logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor, kept: torch.Tensor,
+               samples: int) -> None:
+        """Keep this forward's weighted auxiliary loss (with its graph) and router statistics; tokens are
+        ``samples`` equal runs of rows."""
         lb = self.load_balancing_loss(probs, chosen, self.num_experts)
         z = self.z_loss(logits)
         self.aux = self.load_balance_weight * lb + (self.z_loss_weight * z if self.z_loss_weight else 0.0)
-        samples = shape[0] if len(shape) > 2 else 1
-        load = torch.zeros(samples, self.num_experts, device=x.device)
-        sample_of = torch.arange(x.shape[0], device=x.device) // (x.shape[0] // samples)
+        tokens, device = chosen.shape[0], chosen.device
+        load = torch.zeros(samples, self.num_experts, device=device)
+        sample_of = torch.arange(tokens, device=device) // (tokens // samples)
         load.index_put_((sample_of[:, None].expand_as(chosen)[kept], chosen[kept]),
-                        torch.ones((), device=x.device), accumulate=True)
+                        torch.ones((), device=device), accumulate=True)
         self.stats = {"lb": lb.detach(), "z": z.detach(), "load": load,
                       "dropped": 1.0 - kept.float().mean().detach()}
-        return out.reshape(*shape[:-1], out.shape[-1])
 
 
 class TokenMoEUNet(ModelMixin, ConfigMixin):
@@ -314,15 +342,17 @@ class TokenMoEUNet(ModelMixin, ConfigMixin):
 
     def forward(self, sample: torch.Tensor, timestep, encoder_hidden_states: torch.Tensor,
                 timestep_cond: torch.Tensor | None = None, return_dict: bool = True, **kwargs):
-        self.last_timesteps = _timesteps_like(timestep, sample).detach()
+        if records_routing(self):
+            self.last_timesteps = _timesteps_like(timestep, sample).detach()
         out = self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond, return_dict=False,
                         **kwargs)[0]
         return UNet2DConditionOutput(sample=out) if return_dict else (out,)
 
     def aux_loss(self) -> torch.Tensor | None:
-        """The weighted load-balancing (+ z) loss of the last forward, averaged over the MoE layers."""
+        """The weighted load-balancing (+ z) loss of the student's last own forward, summed over the MoE layers
+        (Switch Transformer, Fedus et al. 2022, sec. 2.2: each switch layer's auxiliary loss joins the total)."""
         terms = [layer.aux for layer in self.moe_layers() if layer.aux is not None]
-        return torch.stack([torch.as_tensor(a) for a in terms]).mean() if terms else None
+        return torch.stack([torch.as_tensor(a) for a in terms]).sum() if terms else None
 
     def router_stats(self, prefix: str = "router/") -> dict[str, float]:
         layers = [layer for layer in self.moe_layers() if layer.stats]
@@ -342,7 +372,9 @@ def token_moe_student(teacher_unet: UNet2DConditionModel, num_experts: int = 4, 
                       time_cond_proj_dim: int | None = None, gradient_checkpointing: bool = False,
                       noise_scheduler=None) -> TokenMoEUNet:
     """Every expert starts as the dense FFN plus Gaussian noise of ``init_noise`` times each weight's
-    std (none with one expert, which then computes exactly the dense function)."""
+    std (none with one expert, which then computes exactly the dense function). With ``top_k=1`` the
+    chosen expert's output is scaled by its router probability (about 1 / E at the start), so a fresh
+    student with several experts starts away from the dense function; k >= 2 gates sum to one."""
     from distill.models.students import copy_student
 
     dense = copy_student(teacher_unet, time_cond_proj_dim)
