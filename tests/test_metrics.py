@@ -8,8 +8,16 @@ from torch import nn
 
 from distill.data import DigitsDataModule
 from distill.metrics.cost import NFECounter, count_flops, measure_cost
-from distill.metrics.fid import FID, FeatureNet
-from distill.metrics.quality_cost import format_table, pareto_front, write_csv
+from distill.metrics.fid import FID, FeatureNet, frechet_distance, gaussian_statistics
+from distill.metrics.quality_cost import (
+    differ_beyond_uncertainty,
+    format_table,
+    format_uncertain,
+    pareto_front,
+    proportion_standard_error,
+    standard_error,
+    write_csv,
+)
 
 
 class RandomFeatures(nn.Module):
@@ -47,6 +55,67 @@ def test_fid_equals_independent_frechet_distance(digits, tmp_path):
     value = fid(train)
     expected = frechet_numpy(fid.features(train).numpy(), fid.features(heldout).numpy())
     assert value == pytest.approx(expected, rel=1e-4)
+
+
+def test_frechet_distance_of_gaussians_with_known_distance():
+    # Diagonal covariances: ||mu1 - mu2||^2 + sum (sqrt(a) - sqrt(b))^2 (Heusel et al. 2017 eq. 6).
+    a, b = torch.tensor([1.0, 4.0, 9.0], dtype=torch.float64), torch.tensor([4.0, 1.0, 9.0], dtype=torch.float64)
+    mu1, mu2 = torch.zeros(3, dtype=torch.float64), torch.tensor([1.0, 2.0, 0.0], dtype=torch.float64)
+    assert frechet_distance(mu1, torch.diag(a), mu2, torch.diag(b)) == pytest.approx(5.0 + 1.0 + 1.0 + 0.0, abs=1e-12)
+    # A rotated pair: the distance does not depend on the basis.
+    q, _ = torch.linalg.qr(torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    assert frechet_distance(q @ mu1, q @ torch.diag(a) @ q.T, q @ mu2, q @ torch.diag(b) @ q.T) == pytest.approx(7.0, abs=1e-9)
+    x = torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, 8.0]])
+    mu, sigma = gaussian_statistics(x)
+    assert torch.allclose(mu, torch.tensor([2.0, 4.0], dtype=torch.float64))
+    assert torch.allclose(sigma, torch.from_numpy(np.cov(x.numpy(), rowvar=False)))
+
+
+def test_fid_equals_torchmetrics_on_the_full_set(digits, tmp_path):
+    train, heldout = digits
+    fid = FID(FeatureNet(RandomFeatures(), "random"), cache_dir=tmp_path)
+    fid.set_reference(heldout, "heldout")
+    fid.metric.reset()
+    fid.metric.update(train, real=False)
+    torchmetrics_value = float(fid.metric.compute())  # rounded to the features' float32
+    assert fid(train) == pytest.approx(torchmetrics_value, rel=1e-6)
+    assert fid(train) == pytest.approx(fid.from_features(fid.features(train)), rel=1e-12)
+
+
+def test_fid_bootstrap_spread_matches_independent_sets():
+    """The bootstrap std of one set's FID estimates the spread of FID over independent sets."""
+    g = torch.Generator().manual_seed(0)
+    dim, n = 4, 200
+    scale = torch.tensor([1.0, 0.5, 2.0, 1.0])
+    fid = FID(FeatureNet(nn.Flatten(), "identity", input_shape=(dim, 1, 1)), cache_dir=None)
+    fid.set_reference(torch.zeros(2, dim, 1, 1))
+    # Exact reference statistics: N(0.3, I).
+    fid.metric.real_features_num_samples.fill_(10**9)
+    fid.metric.real_features_sum.copy_(torch.full((dim,), 0.3, dtype=torch.float64) * 10**9)
+    fid.metric.real_features_cov_sum.copy_((torch.eye(dim, dtype=torch.float64) + 0.09) * 10**9)
+    sets = [torch.randn(n, dim, generator=g) * scale for _ in range(300)]
+    independent = torch.tensor([fid.from_features(x) for x in sets]).std().item()
+    bootstrap = [fid.bootstrap_std(x, num_resamples=200, seed=1) for x in sets[:20]]
+    assert fid.bootstrap_std(sets[0], 50, seed=3) == fid.bootstrap_std(sets[0], 50, seed=3)  # seeded
+    assert 0.7 * independent < float(np.median(bootstrap)) < 1.3 * independent
+
+
+def test_torchscript_feature_file(digits, tmp_path):
+    """A scripted net without a ``features`` method, loaded from a file by FID(feature=<path>)."""
+    torch.manual_seed(0)
+    net = torch.jit.script(nn.Sequential(nn.Conv2d(1, 6, 3, stride=2), nn.Tanh(), nn.Conv2d(6, 8, 3, stride=2), nn.Tanh(),
+                                         nn.AdaptiveAvgPool2d(2), nn.Flatten()))
+    path = tmp_path / "features.pt"
+    torch.jit.save(net, str(path))
+    train, heldout = digits
+    fid = FID(str(path), cache_dir=tmp_path)
+    assert fid.metric.inception.num_features == 32
+    fid.set_reference(heldout, "heldout")
+    assert abs(fid(heldout)) < 1e-6
+    shifted = (train + 0.3).clamp(-1, 1)
+    with torch.no_grad():
+        expected = frechet_numpy(net(shifted).double().numpy(), net(heldout).double().numpy())
+    assert fid(shifted) == pytest.approx(expected, rel=1e-5) and expected > 0.05
 
 
 def test_fid_of_a_set_with_itself_is_zero_and_noise_increases_it(digits, tmp_path):
@@ -118,5 +187,26 @@ def test_pareto_front_and_outputs(tmp_path):
     write_csv(rows[2:], tmp_path / "qc.csv", append=True)
     lines = (tmp_path / "qc.csv").read_text().splitlines()
     assert len(lines) == 5 and lines[0].startswith("model,scheduler,steps")
-    table = format_table(rows, floor=0.5)
-    assert "| s | lcm | 4 |" in table and "floor" in table
+    table = format_table(rows, floor={"fid": 0.5, "fid_std": 0.05})
+    assert "| s | lcm | 4 |" in table and "floor: FID(train, held-out) = 0.500 ± 0.050" in table
+
+
+def test_uncertainties_in_tables_and_comparisons(tmp_path):
+    assert format_uncertain(3.2137, 0.152) == "3.21 ± 0.15"
+    assert format_uncertain(0.98213, 0.0123) == "0.982 ± 0.012"
+    assert format_uncertain(45.27, 1.5) == "45.3 ± 1.5"
+    assert format_uncertain(123.4, 15.0) == "123 ± 15"
+    a = {"fid": 3.0, "fid_std": 0.3}
+    assert not differ_beyond_uncertainty(a, {"fid": 3.4, "fid_std": 0.4})  # 0.4 < 0.5 = hypot(0.3, 0.4)
+    assert differ_beyond_uncertainty(a, {"fid": 3.6, "fid_std": 0.4})
+    assert not differ_beyond_uncertainty(a, {"fid": 3.6, "fid_std": 0.4}, sigmas=2.0)
+    assert standard_error(torch.tensor([1.0, 2.0, 3.0, 4.0])) == pytest.approx(np.std([1, 2, 3, 4], ddof=1) / 2)
+    assert proportion_standard_error(0.9, 100) == pytest.approx(0.03)
+    rows = [{"model": "s", "scheduler": "lcm", "steps": 1, "fid": 3.2137, "fid_std": 0.152, "latency_s": 0.01},
+            {"model": "s", "scheduler": "lcm", "steps": 2, "fid": 2.5, "fid_std": 0.1, "latency_s": 0.02}]
+    table = format_table(rows)
+    assert table.splitlines()[0] == "| model | scheduler | steps | fid | latency_s |"
+    assert "| s | lcm | 1 | 3.21 ± 0.15 | 0.01 |" in table
+    write_csv(rows, tmp_path / "qc.csv")
+    header = (tmp_path / "qc.csv").read_text().splitlines()[0].split(",")
+    assert header[header.index("fid") + 1] == "fid_std" and "clip_score_std" in header and "prompt_accuracy_std" in header

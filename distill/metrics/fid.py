@@ -1,8 +1,9 @@
 """FID (Heusel et al. 2017) with a pluggable feature network, and cached reference statistics.
 
-The metric is torchmetrics' ``FrechetInceptionDistance``; only the feature extractor changes:
-the shipped digit classifier's penultimate layer for the embedded digits (Inception cannot be
-downloaded there), Inception-v3 (torch-fidelity) for natural images, or any nn.Module/TorchScript file.
+The reference statistics are torchmetrics' ``FrechetInceptionDistance`` states; only the feature
+extractor changes: the shipped digit classifier's penultimate layer for the embedded digits (Inception
+cannot be downloaded there), Inception-v3 (torch-fidelity) for natural images, or any nn.Module/TorchScript
+file. The generated side is computed once as features, so that its bootstrap spread costs no network call.
 """
 
 from __future__ import annotations
@@ -16,15 +17,34 @@ from torch import nn
 DEFAULT_CACHE = Path.home() / ".cache" / "distill" / "fid_reference"
 
 
-class FeatureNet(nn.Module):
-    """Adapts a network to torchmetrics: images (N, C, H, W) in [-1, 1] -> features (N, D)."""
+def gaussian_statistics(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean (D,) and unbiased covariance (D, D) of ``features`` (N, D), in float64."""
+    features = features.double()
+    mu = features.mean(0)
+    centred = features - mu
+    return mu, centred.T @ centred / (len(features) - 1)
 
-    def __init__(self, net: nn.Module, name: str):
+
+def frechet_distance(mu1: torch.Tensor, sigma1: torch.Tensor, mu2: torch.Tensor, sigma2: torch.Tensor) -> float:
+    """||mu1 - mu2||^2 + Tr(S1 + S2 - 2 (S1 S2)^(1/2)), Heusel et al. 2017 eq. 6 (root trace from eigenvalues)."""
+    root_trace = torch.linalg.eigvals(sigma1 @ sigma2).sqrt().real.sum()
+    return float((mu1 - mu2).square().sum() + sigma1.trace() + sigma2.trace() - 2 * root_trace)
+
+
+class FeatureNet(nn.Module):
+    """Adapts a network to torchmetrics: images (N, C, H, W) in [-1, 1] -> features (N, D).
+
+    ``input_shape`` (C, H, W) is that of the images measured; one forward pass on it gives ``num_features``.
+    """
+
+    def __init__(self, net: nn.Module, name: str, input_shape: tuple[int, int, int] = (1, 32, 32)):
         super().__init__()
-        self.net = net.eval().requires_grad_(False)
+        self.net = net.eval()
+        for p in self.net.parameters():  # not net.requires_grad_: TorchScript modules do not support it
+            p.requires_grad_(False)
         self.name = name
         with torch.no_grad():
-            self.num_features = int(self(torch.zeros(1, 1, 32, 32)).shape[-1]) if hasattr(net, "features") else None
+            self.num_features = int(self(torch.zeros(1, *input_shape)).shape[-1])
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if hasattr(self.net, "features"):
@@ -39,9 +59,9 @@ class FeatureNet(nn.Module):
         return h.hexdigest()[:16]
 
 
-def load_feature_net(spec: str = "digits") -> nn.Module:
+def load_feature_net(spec: str, input_shape: tuple[int, int, int]) -> nn.Module | str:
     """``digits`` (the shipped classifier), ``inception`` (needs torch-fidelity), a classifier folder,
-    or a TorchScript ``.pt`` file mapping images in [-1, 1] to (N, D) features."""
+    or a TorchScript ``.pt`` file mapping images (N, *input_shape) in [-1, 1] to (N, D) features."""
     if spec == "inception":
         return _inception()
     if spec == "digits":
@@ -52,9 +72,9 @@ def load_feature_net(spec: str = "digits") -> nn.Module:
     if path.is_dir():
         from distill.models.classifier import DigitClassifier
 
-        return FeatureNet(DigitClassifier.from_pretrained(path), f"classifier:{path.resolve()}")
+        return FeatureNet(DigitClassifier.from_pretrained(path), f"classifier:{path.resolve()}", input_shape)
     if path.is_file():
-        return FeatureNet(torch.jit.load(str(path), map_location="cpu"), f"torchscript:{path.resolve()}")
+        return FeatureNet(torch.jit.load(str(path), map_location="cpu"), f"torchscript:{path.resolve()}", input_shape)
     raise FileNotFoundError(f"fid feature network {spec!r} not found; use 'digits', 'inception', a folder or a .pt file")
 
 
@@ -73,15 +93,16 @@ def _inception() -> nn.Module:
 class FID:
     """FID between a fixed reference set and generated images; reference statistics are cached on disk."""
 
-    def __init__(self, feature: nn.Module | str = "digits", cache_dir: str | Path | None = DEFAULT_CACHE):
+    def __init__(self, feature: nn.Module | str = "digits", cache_dir: str | Path | None = DEFAULT_CACHE,
+                 input_shape: tuple[int, int, int] = (1, 32, 32)):
         from torchmetrics.image.fid import FrechetInceptionDistance
 
-        net = load_feature_net(feature) if isinstance(feature, str) else feature
+        net = load_feature_net(feature, input_shape) if isinstance(feature, str) else feature
         if isinstance(net, str):  # inception: torchmetrics builds it; expects images in [0, 1]
             self.metric = FrechetInceptionDistance(feature=2048, normalize=True, reset_real_features=False)
             self.inception, self.fingerprint = True, "inception-2048"
         else:
-            net = net if isinstance(net, FeatureNet) else FeatureNet(net, type(net).__name__)
+            net = net if isinstance(net, FeatureNet) else FeatureNet(net, type(net).__name__, input_shape)
             self.metric = FrechetInceptionDistance(feature=net, reset_real_features=False)
             self.inception, self.fingerprint = False, net.fingerprint()
         self.cache_dir = Path(cache_dir) if cache_dir else None
@@ -121,16 +142,38 @@ class FID:
                 tmp.replace(cache)
         self.has_reference = True
 
+    def reference_statistics(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean (D,) and unbiased covariance (D, D) of the reference features, from torchmetrics' sums."""
+        if not self.has_reference:
+            raise RuntimeError("FID reference not set; call set_reference first")
+        n = self.metric.real_features_num_samples.double()
+        mu = self.metric.real_features_sum / n
+        return mu, (self.metric.real_features_cov_sum - n * torch.outer(mu, mu)) / (n - 1)
+
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, batch_size: int = 256) -> float:
         """FID of ``images`` (N, C, H, W) in [-1, 1] against the reference."""
-        if not self.has_reference:
-            raise RuntimeError("FID reference not set; call set_reference first")
-        self.metric.reset()  # clears fake statistics only (reset_real_features=False)
-        for chunk in images.split(batch_size):
-            self.metric.update(self._prepare(chunk), real=False)
-        return float(self.metric.compute())
+        return self.from_features(self.features(images, batch_size))
+
+    def from_features(self, features: torch.Tensor) -> float:
+        """FID of generated ``features`` (N, D) against the reference, in float64."""
+        return frechet_distance(*self.reference_statistics(), *gaussian_statistics(features))
+
+    def bootstrap_std(self, features: torch.Tensor, num_resamples: int = 50, seed: int = 0) -> float:
+        """Spread of the FID of ``features`` (N, D): the standard deviation over ``num_resamples`` resamples
+        of the N samples with replacement, the reference fixed (Efron & Tibshirani 1993, Alg. 6.1)."""
+        reference = self.reference_statistics()
+        generator = torch.Generator().manual_seed(seed)
+        n = len(features)
+        values = [frechet_distance(*reference, *gaussian_statistics(features[torch.randint(n, (n,), generator=generator)]))
+                  for _ in range(num_resamples)]
+        return float(torch.tensor(values, dtype=torch.float64).std())
 
     @torch.no_grad()
-    def features(self, images: torch.Tensor) -> torch.Tensor:
-        return self.metric.inception(self._prepare(images)).double()
+    def features(self, images: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+        """Features (N, D) in float64 of ``images`` (N, C, H, W) in [-1, 1], as torchmetrics' update extracts them."""
+        chunks = []
+        for chunk in images.split(batch_size):
+            x = self._prepare(chunk)
+            chunks.append(self.metric.inception((x * 255).byte() if self.inception else x).double().reshape(len(x), -1))
+        return torch.cat(chunks)

@@ -1,13 +1,16 @@
 """Quality-cost sweep: for each (scheduler, steps) generate a fixed prompt/seed set, measure FID, CLIP
-score, prompt accuracy and cost, and keep the Pareto front (lower FID at lower latency)."""
+score, prompt accuracy (each with its uncertainty, ``<name>_std``) and cost, and keep the Pareto front
+(lower FID at lower latency)."""
 
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 from typing import Protocol
 
 import torch
+from omegaconf import OmegaConf
 
 from distill.data.digits import caption_for
 from distill.metrics.cost import NFECounter, measure_cost
@@ -22,21 +25,37 @@ class Sampler(Protocol):
                  guidance_scale: float | None, generator: torch.Generator) -> torch.Tensor: ...
 
 
+SCHEDULER_CONF = Path(__file__).resolve().parents[1] / "conf" / "scheduler"
+
+
+def scheduler_options(name: str) -> dict:
+    """The ``options`` of the package's ``conf/scheduler/<name>.yaml`` (e.g. DDIM's trailing spacing); none
+    for a scheduler without one (``make_scheduler`` rejects unknown names)."""
+    path = SCHEDULER_CONF / f"{name}.yaml"
+    return dict(OmegaConf.to_container(OmegaConf.load(path)).get("options") or {}) if path.is_file() else {}
+
+
 class PipelineSampler:
-    """A diffusers text-to-image pipeline (StableDiffusionPipeline layout)."""
+    """A diffusers text-to-image pipeline (StableDiffusionPipeline layout). Each scheduler of a sweep is
+    built from the pipeline's own scheduler config with that scheduler's options: ``options[name]``, else
+    those of the package's ``conf/scheduler/<name>.yaml``."""
 
-    def __init__(self, pipe):
-        from distill.inference.schedulers import make_scheduler
-
+    def __init__(self, pipe, options: dict[str, dict] | None = None):
         self.pipe, self.unet = pipe, pipe.unet
         self.base_config = pipe.scheduler.config
-        self._make = make_scheduler
+        self.options = dict(options or {})
         pipe.set_progress_bar_config(disable=True)
         self.size = pipe.unet.config.sample_size * pipe.vae_scale_factor
 
+    def scheduler(self, name: str):
+        from distill.inference.schedulers import make_scheduler
+
+        options = self.options[name] if name in self.options else scheduler_options(name)
+        return make_scheduler(name, self.base_config, **options)
+
     @torch.no_grad()
     def __call__(self, captions, labels, scheduler, steps, guidance_scale, generator):
-        self.pipe.scheduler = self._make(scheduler, self.base_config)
+        self.pipe.scheduler = self.scheduler(scheduler)
         out = self.pipe(list(captions), num_inference_steps=steps, guidance_scale=guidance_scale or 1.0,
                         height=self.size, width=self.size, generator=generator, output_type="pt").images
         return out * 2.0 - 1.0
@@ -61,14 +80,31 @@ def digit_prompts(num_per_class: int) -> tuple[list[str], torch.Tensor]:
     return [caption_for(int(i)) for i in labels], labels
 
 
+def standard_error(values: torch.Tensor) -> float:
+    """Standard error of the mean of ``values`` (N,): sample standard deviation / sqrt(N)."""
+    return values.double().std().item() / math.sqrt(len(values))
+
+
+def proportion_standard_error(p: float, n: int) -> float:
+    """Standard error of a proportion ``p`` measured on ``n`` independent trials: sqrt(p (1 - p) / n)."""
+    return math.sqrt(p * (1.0 - p) / n)
+
+
 class QualityCostEvaluator:
-    """Fixed prompts and seeds; FID against a reference set; CLIP score; classifier prompt accuracy; cost."""
+    """Fixed prompts and seeds; FID against a reference set; CLIP score; classifier prompt accuracy; cost.
+
+    Every quality number comes with ``<name>_std``, the standard deviation of its estimate: for FID the
+    bootstrap over the generated samples (``fid_bootstrap`` resamples, the reference fixed), for the CLIP
+    score and the prompt accuracy the standard error of their mean over the samples.
+    """
 
     def __init__(self, fid, clip_model=None, clip_tokenizer=None, classifier=None, num_per_class: int = 50,
                  seed: int = 0, batch_size: int = 250, cost_batch_size: int = 10, cost_repeats: int = 3,
-                 resolution: int = 32):
+                 resolution: int = 32, fid_bootstrap: int = 50):
+        if fid_bootstrap < 2:
+            raise ValueError(f"fid_bootstrap={fid_bootstrap} resamples cannot give a spread; use at least 2 (default 50)")
         self.fid, self.clip_model, self.clip_tokenizer, self.classifier = fid, clip_model, clip_tokenizer, classifier
-        self.resolution = resolution
+        self.resolution, self.fid_bootstrap = resolution, fid_bootstrap
         self.captions, self.labels = digit_prompts(num_per_class)
         self.seed, self.batch_size = seed, batch_size
         self.cost_batch_size, self.cost_repeats = cost_batch_size, cost_repeats
@@ -84,21 +120,30 @@ class QualityCostEvaluator:
         return torch.cat(images)
 
     @torch.no_grad()
+    def fid_with_spread(self, images: torch.Tensor) -> dict:
+        """``fid`` and its bootstrap ``fid_std`` of ``images``; the features are computed once."""
+        features = self.fid.features(images)
+        return {"fid": self.fid.from_features(features),
+                "fid_std": self.fid.bootstrap_std(features, self.fid_bootstrap, self.seed)}
+
+    @torch.no_grad()
     def quality(self, images: torch.Tensor) -> dict:
         from distill.metrics.clip_score import clip_score
 
         if images.shape[-1] != self.resolution:  # judge every model at the reference resolution
             images = torch.nn.functional.interpolate(images, size=(self.resolution, self.resolution), mode="bilinear",
                                                      align_corners=False, antialias=True)
-        row = {"fid": self.fid(images)}
+        row = self.fid_with_spread(images)
         if self.clip_model is not None:
             scores = torch.cat([clip_score(self.clip_model, self.clip_tokenizer, images[i:i + 500], self.captions[i:i + 500])
                                 for i in range(0, len(images), 500)])
-            row["clip_score"] = scores.mean().item()
+            row["clip_score"], row["clip_score_std"] = scores.mean().item(), standard_error(scores)
         if self.classifier is not None:
             from distill.metrics.digit_accuracy import prompted_digit_accuracy
 
-            row["prompt_accuracy"] = prompted_digit_accuracy(images, self.labels, self.classifier)
+            accuracy = prompted_digit_accuracy(images, self.labels, self.classifier)
+            row["prompt_accuracy"] = accuracy
+            row["prompt_accuracy_std"] = proportion_standard_error(accuracy, len(images))
         return row
 
     def evaluate(self, sampler: Sampler, model: str, scheduler: str, steps: int, guidance_scale: float | None,
@@ -138,8 +183,24 @@ def pareto_front(rows: list[dict], x: str = "latency_s", y: str = "fid") -> list
     return sorted(front, key=lambda r: r[x])
 
 
-COLUMNS = ["model", "scheduler", "steps", "guidance_scale", "nfe", "fid", "clip_score", "prompt_accuracy",
-           "latency_s", "images_per_s", "peak_memory_mb", "gflops_per_image", "params_m", "active_params_m", "step"]
+COLUMNS = ["model", "scheduler", "steps", "guidance_scale", "nfe", "fid", "fid_std", "clip_score", "clip_score_std",
+           "prompt_accuracy", "prompt_accuracy_std", "latency_s", "images_per_s", "peak_memory_mb", "gflops_per_image",
+           "params_m", "active_params_m", "step"]
+
+
+def differ_beyond_uncertainty(a: dict, b: dict, key: str = "fid", sigmas: float = 1.0) -> bool:
+    """Whether rows ``a`` and ``b`` differ in ``key`` by more than ``sigmas`` times their combined
+    uncertainty sqrt(std_a^2 + std_b^2) (independent estimates; ``<key>_std`` of each row)."""
+    combined = math.hypot(a[f"{key}_std"], b[f"{key}_std"])
+    return abs(a[key] - b[key]) > sigmas * combined
+
+
+def format_uncertain(value: float, std: float) -> str:
+    """``value ± std`` with the std to two significant digits and the value to the same decimal place."""
+    if not std > 0 or not math.isfinite(std):
+        return f"{value:.4g} ± {std:.2g}"
+    decimals = max(0, 1 - math.floor(math.log10(std)))
+    return f"{value:.{decimals}f} ± {std:.{decimals}f}"
 
 
 def write_csv(rows: list[dict], path: Path, append: bool = False) -> None:
@@ -152,24 +213,28 @@ def write_csv(rows: list[dict], path: Path, append: bool = False) -> None:
         writer.writerows(rows)
 
 
-def format_table(rows: list[dict], floor: float | None = None) -> str:
-    """A Markdown table of the rows (and the real-data FID floor)."""
-    cols = [c for c in COLUMNS if any(c in r for r in rows)]
+def _cell(row: dict, column: str) -> str:
+    value, std = row.get(column, ""), row.get(f"{column}_std")
+    if isinstance(value, float) and isinstance(std, float):
+        return format_uncertain(value, std)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def format_table(rows: list[dict], floor: dict | None = None) -> str:
+    """A Markdown table of the rows, each quality number as ``value ± std`` (and the real-data FID floor)."""
+    cols = [c for c in COLUMNS if any(c in r for r in rows) and not c.endswith("_std")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = []
-        for c in cols:
-            v = r.get(c, "")
-            cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_cell(r, c) for c in cols) + " |")
     if floor is not None:
-        lines.append(f"\nreal-data floor: FID(train, held-out) = {floor:.4g}")
+        lines.append(f"\nreal-data floor: FID(train, held-out) = {_cell(floor, 'fid')}")
     return "\n".join(lines)
 
 
-def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", floor: float | None = None,
+def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", floor: dict | None = None,
                 x: str = "latency_s", y: str = "fid") -> Path:
-    """FID against latency per image, one series per (model, scheduler), the front drawn as a line."""
+    """FID against latency per image with +-1 std error bars, one series per (model, scheduler), the front
+    drawn as a line, the real-data floor as a band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,13 +247,16 @@ def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", fl
     for (model, scheduler), rs in sorted(series.items()):
         rs = sorted(rs, key=lambda r: r[x])
         marker = "s" if model == "teacher" else "o"
-        ax.plot([r[x] for r in rs], [r[y] for r in rs], marker=marker, linestyle=":", label=f"{model} {scheduler}")
+        ax.errorbar([r[x] for r in rs], [r[y] for r in rs], yerr=[r.get(f"{y}_std", 0.0) for r in rs], marker=marker,
+                    linestyle=":", capsize=2, label=f"{model} {scheduler}")
         for r in rs:
             ax.annotate(str(r["steps"]), (r[x], r[y]), textcoords="offset points", xytext=(3, 3), fontsize=7)
     front = pareto_front(rows, x, y)
     ax.plot([r[x] for r in front], [r[y] for r in front], color="black", linewidth=1, alpha=0.5, label="Pareto front")
     if floor is not None:
-        ax.axhline(floor, color="grey", linestyle="--", linewidth=1, label="real-data floor")
+        ax.axhline(floor[y], color="grey", linestyle="--", linewidth=1, label="real-data floor")
+        spread = floor.get(f"{y}_std", 0.0)
+        ax.axhspan(floor[y] - spread, floor[y] + spread, color="grey", alpha=0.15, linewidth=0)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("latency per image (s)" if x == "latency_s" else x)
@@ -203,15 +271,16 @@ def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", fl
     return path
 
 
-def real_data_floor(fid, num_samples: int, resolution: int = 32) -> float:
-    """FID of real training digits against the held-out reference: the best a model can hope for."""
+def real_data_floor(evaluator: QualityCostEvaluator) -> dict:
+    """FID (and its bootstrap spread) of as many real training digits as the evaluator generates, against
+    the held-out reference: the best a model can hope for."""
     from distill.data import DigitsDataModule
 
-    dm = DigitsDataModule(resolution=resolution)
+    dm = DigitsDataModule(resolution=evaluator.resolution)
     dm.setup()
     g = torch.Generator().manual_seed(0)
-    idx = torch.randperm(len(dm.train_set), generator=g)[:num_samples]
-    return fid(dm.train_set.images[idx])
+    idx = torch.randperm(len(dm.train_set), generator=g)[:len(evaluator.captions)]
+    return evaluator.fid_with_spread(dm.train_set.images[idx])
 
 
 def heldout_reference(resolution: int = 32) -> tuple[torch.Tensor, str]:
@@ -222,24 +291,22 @@ def heldout_reference(resolution: int = 32) -> tuple[torch.Tensor, str]:
     return dm.heldout_set.images, f"digits-heldout-r{resolution}-s{dm.split_seed}"
 
 
-
-
 def build_evaluator(feature: str = "digits", clip: str | None = None, classifier: str | None = None,
                     num_per_class: int = 50, seed: int = 0, resolution: int = 32,
-                    cost_repeats: int = 3) -> tuple[QualityCostEvaluator, float, str]:
+                    cost_repeats: int = 3, fid_bootstrap: int = 50) -> tuple[QualityCostEvaluator, dict, str]:
     """The evaluator of the protocol (FID against the held-out digits, optional CLIP score and prompt
-    accuracy from model folders), the real-data floor and the reference key."""
+    accuracy from model folders), the real-data floor (``fid``, ``fid_std``) and the reference key."""
     from transformers import CLIPModel, CLIPTokenizer
 
     from distill.metrics.fid import FID
     from distill.models.classifier import DigitClassifier
 
-    fid = FID(feature)
     reference, key = heldout_reference(resolution)
+    fid = FID(feature, input_shape=tuple(reference.shape[1:]))
     fid.set_reference(reference, key)
     clip_model = CLIPModel.from_pretrained(clip).eval() if clip else None
     clip_tokenizer = CLIPTokenizer.from_pretrained(clip) if clip else None
     digit_classifier = DigitClassifier.from_pretrained(classifier).eval() if classifier else None
     evaluator = QualityCostEvaluator(fid, clip_model, clip_tokenizer, digit_classifier, num_per_class, seed,
-                                     cost_repeats=cost_repeats, resolution=resolution)
-    return evaluator, real_data_floor(fid, len(evaluator.captions), resolution), key
+                                     cost_repeats=cost_repeats, resolution=resolution, fid_bootstrap=fid_bootstrap)
+    return evaluator, real_data_floor(evaluator), key
