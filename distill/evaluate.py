@@ -39,6 +39,7 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         PipelineSampler,
         build_evaluator,
         format_table,
+        format_uncertain,
         plot_pareto,
         write_csv,
     )
@@ -55,16 +56,19 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else pipeline_defaults(cfg.pipeline).get("guidance_scale", 1.0)
     model = cfg.model_name or Path(str(cfg.pipeline)).name
     evaluator, floor, key = build_evaluator(cfg.feature, cfg.clip, cfg.classifier, cfg.num_per_class, cfg.seed,
-                                            cfg.resolution, cfg.cost_repeats)
-    sampler = PipelineSampler(pipe)
+                                            cfg.resolution, cfg.cost_repeats, cfg.fid_bootstrap)
+    # The scheduler group's options (with any overrides) for its own scheduler; every other one of the
+    # sweep takes those of its conf/scheduler/<name>.yaml.
+    sampler = PipelineSampler(pipe, {cfg.scheduler.name: dict(cfg.scheduler.options)})
     rows = []
     for name in names:
         for steps in cfg.nfe:
             start = time.perf_counter()
             row, images = evaluator.evaluate(sampler, model, name, int(steps), guidance)
             rows.append(row)
-            print(f"{model} {name:>9} steps={steps:<3} FID={row['fid']:.3f} CLIP={row.get('clip_score', float('nan')):.2f} "
-                  f"acc={row.get('prompt_accuracy', float('nan')):.3f} latency={row['latency_s'] * 1e3:.1f} ms/img "
+            quality = " ".join(f"{label}={format_uncertain(row[col], row[f'{col}_std'])}" for label, col in
+                               (("FID", "fid"), ("CLIP", "clip_score"), ("acc", "prompt_accuracy")) if col in row)
+            print(f"{model} {name:>9} steps={steps:<3} {quality} latency={row['latency_s'] * 1e3:.1f} ms/img "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
             if cfg.grids:
                 seeds = min(cfg.grid_seeds, cfg.num_per_class)
@@ -78,7 +82,8 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     (out_dir / "protocol.json").write_text(json.dumps({
         "pipeline": str(cfg.pipeline), "num_per_class": cfg.num_per_class, "num_samples": len(evaluator.captions),
         "seed": cfg.seed, "guidance_scale": guidance, "reference": key, "feature": cfg.feature,
-        "fid_feature_fingerprint": evaluator.fid.fingerprint, "real_data_floor": floor,
+        "fid_feature_fingerprint": evaluator.fid.fingerprint, "real_data_floor": floor["fid"],
+        "real_data_floor_std": floor["fid_std"], "fid_bootstrap": cfg.fid_bootstrap,
     }, indent=2))
     print(table)
     print(f"results in {out_dir}")

@@ -31,10 +31,14 @@ def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
         # Guidance 1.0 (no distill.json): one evaluation per step and image, counted by the hook.
         assert float(r["nfe"]) == float(r["steps"])
         assert float(r["fid"]) > 0 and 0 <= float(r["prompt_accuracy"]) <= 1 and float(r["gflops_per_image"]) > 0
+        p = float(r["prompt_accuracy"])  # the standard error of a proportion over the 20 samples
+        assert float(r["prompt_accuracy_std"]) == pytest.approx((p * (1 - p) / 20) ** 0.5)
+        assert float(r["fid_std"]) > 0 and float(r["clip_score_std"]) > 0
+    assert "±" in (out / "table.md").read_text()
     assert (out / "pareto.png").stat().st_size > 1000
     assert len(list((out / "grids").glob("tiny-*.png"))) == 4
     protocol = json.loads((out / "protocol.json").read_text())
-    assert protocol["num_samples"] == 20 and protocol["real_data_floor"] > 0
+    assert protocol["num_samples"] == 20 and protocol["real_data_floor"] > protocol["real_data_floor_std"] > 0
     assert "real-data floor" in proc.stdout
     # The reference statistics were cached under $HOME for the next run.
     assert list((tmp_path / ".cache" / "distill" / "fid_reference").glob("*.pt"))
@@ -59,6 +63,59 @@ def test_cfg_doubles_counted_nfe(tiny_sd):
     with NFECounter(sampler.unet) as counter:
         sampler(["a handwritten digit one"] * 3, torch.ones(3), "ddim", 4, 3.0, torch.Generator().manual_seed(0))
     assert counter.calls == 4 and counter.examples == 3 * 4 * 2
+
+
+def test_swept_scheduler_takes_its_own_options(tiny_sd):
+    """A hub-style teacher (leading spacing, steps_offset=1): each swept scheduler takes the options of its
+    conf/scheduler/<name>.yaml over the pipeline's config (DDIM: trailing spacing, ending at t = 999)."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    from distill.inference.schedulers import make_scheduler
+    from distill.metrics.quality_cost import PipelineSampler, scheduler_options
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, timestep_spacing="leading", steps_offset=1)
+    assert scheduler_options("ddim") == {"timestep_spacing": "trailing"}
+    expected = make_scheduler("ddim", pipe.scheduler.config, timestep_spacing="trailing")
+    expected.set_timesteps(4)
+    assert expected.timesteps.tolist() == [999, 749, 499, 249]
+    sampler = PipelineSampler(pipe)
+    own = PipelineSampler(pipe, {"ddim": {}})  # options given by name (distill.evaluate's group) win over the yaml
+    sampler(["a handwritten digit one"] * 2, torch.ones(2), "ddim", 4, 1.0, torch.Generator().manual_seed(0))
+    assert sampler.pipe.scheduler.timesteps.tolist() == expected.timesteps.tolist()
+    own(["a handwritten digit one"] * 2, torch.ones(2), "ddim", 4, 1.0, torch.Generator().manual_seed(0))
+    assert own.pipe.scheduler.timesteps.tolist() == [751, 501, 251, 1]
+    with pytest.raises(ValueError, match="plms"):
+        sampler.scheduler("plms")
+
+
+def test_teacher_rows_run_on_the_students_device_and_dtype(tiny_sd, tmp_path):
+    """The teacher pipeline follows the student (float64 on the CPU standing in for another device/dtype)."""
+    from types import SimpleNamespace
+
+    from distill.callbacks.quality_cost import QualityCostCallback
+
+    seen = {}
+
+    class RecordingEvaluator:
+        def evaluate(self, sampler, model, scheduler, steps, guidance_scale, measure):
+            images = sampler(["a handwritten digit one"] * 2, torch.ones(2), scheduler, steps, guidance_scale,
+                             torch.Generator().manual_seed(0))
+            parameter = next(sampler.unet.parameters())
+            seen[model] = (parameter.device, parameter.dtype, images.dtype)
+            return {"model": model, "scheduler": scheduler, "steps": steps, "fid": 1.0, "fid_std": 0.1,
+                    "latency_s": 0.01}, images
+
+    callback = QualityCostCallback(nfe=[1], teacher=str(tiny_sd), teacher_nfe=[1], grid_seeds=0, measure_cost=False)
+    callback._evaluator, callback._floor = RecordingEvaluator(), {"fid": 0.5, "fid_std": 0.05}
+    student = torch.nn.Linear(2, 2).double()
+    method = SimpleNamespace(student=student, sampling={},
+                             generate=lambda batch, generator, **kw: torch.zeros(len(batch["caption"]), 1, 32, 32,
+                                                                                 dtype=torch.float64))
+    trainer = SimpleNamespace(is_global_zero=True, global_step=1, sanity_checking=False, fast_dev_run=False, callbacks=[],
+                              default_root_dir=str(tmp_path), loggers=[])
+    callback.run(trainer, method)
+    assert seen["teacher"] == seen["student"] == (torch.device("cpu"), torch.float64, torch.float64)
 
 
 def test_quality_cost_callback_during_training(tiny_sd, tmp_path):

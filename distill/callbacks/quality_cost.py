@@ -13,7 +13,9 @@ class QualityCostCallback(L.Callback):
     """Every ``every_n_steps`` training steps and at the end of training.
 
     ``nfe=None`` evaluates the method's own current step count (``pl_module.student_steps``, e.g. the
-    round of progressive distillation); the Pareto plot then shows every evaluation so far.
+    round of progressive distillation); the Pareto plot then shows every evaluation so far. The teacher
+    runs on the student's device in the student's dtype, so that its rows and the student's compare models,
+    not devices. ``fid_bootstrap`` resamples give each FID its spread (``fid_std``).
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class QualityCostCallback(L.Callback):
         resolution: int = 32,
         measure_cost: bool = True,
         grid_seeds: int = 4,
+        fid_bootstrap: int = 50,
     ):
         self.every_n_steps, self.schedulers = every_n_steps, list(schedulers)
         self.nfe = list(nfe) if nfe is not None else None
@@ -43,10 +46,11 @@ class QualityCostCallback(L.Callback):
         self.num_per_class, self.seed, self.feature = num_per_class, seed, feature
         self.clip, self.classifier, self.resolution, self.measure_cost = clip, classifier, resolution, measure_cost
         self.grid_seeds = min(grid_seeds, num_per_class)
+        self.fid_bootstrap = fid_bootstrap
         self.teacher_rows: list[dict] = []
         self.history: list[dict] = []
         self._evaluator = None
-        self._floor: float | None = None
+        self._floor: dict | None = None
         self._last_step = -1
 
     # ------------------------------------------------------------------ setup
@@ -55,15 +59,23 @@ class QualityCostCallback(L.Callback):
         from distill.metrics.quality_cost import build_evaluator
 
         self._evaluator, self._floor, _ = build_evaluator(self.feature, self.clip, self.classifier,
-                                                          self.num_per_class, self.seed, self.resolution)
+                                                          self.num_per_class, self.seed, self.resolution,
+                                                          fid_bootstrap=self.fid_bootstrap)
 
-    def _teacher_rows(self) -> list[dict]:
+    def _teacher_sampler(self, pl_module):
+        """The teacher pipeline on the device and in the dtype of ``pl_module``'s student."""
+        from distill.metrics.quality_cost import PipelineSampler
+        from distill.sample import load_pipeline
+
+        student = next(pl_module.student.parameters())
+        return PipelineSampler(load_pipeline(self.teacher).to(device=student.device, dtype=student.dtype))
+
+    def _teacher_rows(self, pl_module) -> list[dict]:
         if self.teacher is None or self.teacher_rows:
             return self.teacher_rows
-        from distill.metrics.quality_cost import PipelineSampler
-        from distill.sample import load_pipeline, pipeline_defaults
+        from distill.sample import pipeline_defaults
 
-        sampler = PipelineSampler(load_pipeline(self.teacher))
+        sampler = self._teacher_sampler(pl_module)
         guidance = self.teacher_guidance_scale
         if guidance is None:
             guidance = pipeline_defaults(self.teacher).get("guidance_scale", 1.0)
@@ -106,7 +118,7 @@ class QualityCostCallback(L.Callback):
         self._trainer = trainer
         if self._evaluator is None:
             self._build()
-        teacher_rows = self._teacher_rows()
+        teacher_rows = self._teacher_rows(pl_module)
         sampler = MethodSampler(pl_module)
         # Judge the EMA weights when an EMA is kept (they are what gets exported).
         ema = next((c for c in trainer.callbacks if isinstance(c, EMA) and c.ema is not None), None)
@@ -144,11 +156,11 @@ class QualityCostCallback(L.Callback):
         metrics = {}
         for r in rows:
             tag = f"{r['scheduler']}-{r['steps']}"
-            metrics[f"val/fid@{tag}"] = r["fid"]
-            for key in ("clip_score", "prompt_accuracy", "latency_s"):
+            for key in ("fid", "fid_std", "clip_score", "clip_score_std", "prompt_accuracy", "prompt_accuracy_std",
+                        "latency_s"):
                 if key in r:
                     metrics[f"val/{key}@{tag}"] = r[key]
-        metrics["val/fid_floor"] = self._floor
+        metrics["val/fid_floor"], metrics["val/fid_floor_std"] = self._floor["fid"], self._floor["fid_std"]
         table = format_table(teacher_rows + rows, self._floor)
         image = Image.open(plot).convert("RGB")
         for logger in trainer.loggers:

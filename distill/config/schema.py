@@ -388,6 +388,7 @@ class EvaluateConfig:
     grids: bool = True
     grid_seeds: int = 4
     cost_repeats: int = 3
+    fid_bootstrap: int = 50  # resamples of the generated set for each FID's spread (fid_std)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
