@@ -34,6 +34,7 @@ def digit_rows_grid(images: torch.Tensor, seeds: int) -> torch.Tensor:
 
 
 def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
+    from distill.config.schema import EVALUATE_NFE
     from distill.inference.schedulers import SCHEDULERS
     from distill.metrics.quality_cost import (
         PipelineSampler,
@@ -50,10 +51,12 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     for name in names:
         if name not in SCHEDULERS:
             raise ValueError(f"scheduler {name!r} is unknown; use one of {sorted(SCHEDULERS)}")
-    if any(n < 1 for n in cfg.nfe):
-        raise ValueError(f"nfe={list(cfg.nfe)} must hold step counts >= 1")
+    defaults = pipeline_defaults(cfg.pipeline)  # an export's intended call, for what the command line leaves out
+    nfe = list(cfg.nfe or ([defaults["num_inference_steps"]] if "num_inference_steps" in defaults else EVALUATE_NFE))
+    if any(n < 1 for n in nfe):
+        raise ValueError(f"nfe={nfe} must hold step counts >= 1")
     pipe = load_pipeline(cfg.pipeline)
-    guidance = cfg.guidance_scale if cfg.guidance_scale is not None else pipeline_defaults(cfg.pipeline).get("guidance_scale", 1.0)
+    guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
     model = cfg.model_name or Path(str(cfg.pipeline)).name
     evaluator, floor, key = build_evaluator(cfg.feature, cfg.clip, cfg.classifier, cfg.num_per_class, cfg.seed,
                                             cfg.resolution, cfg.cost_repeats, cfg.fid_bootstrap)
@@ -62,7 +65,7 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     sampler = PipelineSampler(pipe, {cfg.scheduler.name: dict(cfg.scheduler.options)})
     rows = []
     for name in names:
-        for steps in cfg.nfe:
+        for steps in nfe:
             start = time.perf_counter()
             row, images = evaluator.evaluate(sampler, model, name, int(steps), guidance)
             rows.append(row)

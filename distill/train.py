@@ -207,12 +207,25 @@ def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:
     if cfg.export:
         out = method.export(run_dir / "export")
         log.info("exported student to %s", out)
+    _attach_quality_cost(trainer, run_dir)
     from distill.methods.base import DistillMethod
 
     if cfg.sample_grid_seeds > 0 and type(method).generate is not DistillMethod.generate:
         grid = run_dir / "samples" / "final.png"
         save_sample_grid(method, grid, cfg.sample_grid_seeds)
         log.info("sample grid: %s", grid)
+
+
+def _attach_quality_cost(trainer, run_dir: Path) -> None:
+    """The quality-cost rows measured during training go into distill.json and the model card of each export
+    they measured (the final export, and every progressive round's)."""
+    from distill.callbacks.quality_cost import QualityCostCallback
+    from distill.inference.model_card import attach_quality_cost
+
+    history = [row for c in trainer.callbacks if isinstance(c, QualityCostCallback) for row in c.history]
+    if history:
+        for folder in [run_dir / "export", *sorted((run_dir / "rounds").glob("*-steps"))]:
+            attach_quality_cost(folder, history)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -146,3 +146,34 @@ def test_guided_stage_needs_a_w_conditioned_student(tiny_sd, tmp_path):
     proc = run_train("+exp=progressive_w", f"teacher.pretrained_model_name_or_path={tiny_sd}",
                      "student.time_cond_proj_dim=null", "logger=csv", f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert proc.returncode == 2 and "time_cond_proj_dim" in proc.stderr and not (tmp_path / "run").exists()
+
+
+def _visited_pair(scheduler, t, abar):
+    """(t, t_prev) of one deterministic step, read off the step itself: with v-prediction, probes (x, v) = (1, 0)
+    and (0, 1) give a_t a' + s_t s' and a_t s' - s_t a', whence a' = sqrt(abar(t_prev)); T means clean."""
+    a, s = abar[t].sqrt(), (1 - abar[t]).sqrt()
+    one, zero = torch.ones(1, 1, 1, 1), torch.zeros(1, 1, 1, 1)
+    p = scheduler.step(zero, t, one).prev_sample.item()
+    q = scheduler.step(one, t, zero).prev_sample.item()
+    a_prev = a * p - s * q  # solves [[a, s], [-s, a]] [a', s'] = [p, q]
+    t_prev = int((abar - a_prev ** 2).abs().argmin())
+    assert abs(abar[t_prev].item() - a_prev.item() ** 2) < 1e-5
+    return int(t), t_prev
+
+
+def test_exported_scheduler_visits_the_training_pairs_for_every_step_count(tiny_sd):
+    """Issue 12 item 6: at every N a round can use, the (t, t_prev) pairs the exported pipeline's scheduler steps
+    between are the pairs the student is trained on (t_i = floor(i T / N) - 1), and the last lands on the clean
+    sample (diffusers' DDIM rounds i T / N and steps t - T // N: off by one at N = 16, 32, 64)."""
+    method = ProgressiveDistillation(load_teacher(str(tiny_sd)), lambda u: copy_student(u), torch.optim.AdamW,
+                                     start_steps=8, final_steps=2)
+    scheduler = method.pipeline().scheduler
+    T = method.num_train_timesteps
+    for steps in range(1, 65):
+        i = torch.arange(steps, 0, -1)
+        # student step i -> i - 1 = teacher steps 2i -> 2i - 2 on the grid twice as fine (ProgressiveDistillation.loss)
+        trained = list(zip(method._times(2 * i, 2 * steps).tolist(), method._times(2 * i - 2, 2 * steps).tolist()))
+        scheduler.set_timesteps(steps)
+        visited = [_visited_pair(scheduler, t, method.abar) for t in scheduler.timesteps]
+        assert visited == trained, steps
+        assert visited[-1][1] == T  # the last step reaches the clean sample (alpha 1, sigma 0)

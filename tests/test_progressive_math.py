@@ -41,3 +41,47 @@ def test_round_schedule_halves_down_to_the_final_count():
         round_schedule(48, 4)
     with pytest.raises(ValueError, match="must be below the start"):
         round_schedule(4, 8)
+
+
+# ---------------------------------------------------------------- the sampler on the training grid
+
+
+SCHEDULE = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012}
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "sample", "v_prediction"])
+@pytest.mark.parametrize("steps", [1, 2, 4, 8, 10, 20, 25, 40, 50])
+def test_grid_ddim_equals_diffusers_ddim_where_the_grids_agree(prediction_type, steps):
+    """N dividing T: diffusers' DDIM with trailing spacing and alpha_prev = 1 at the end is the same sampler."""
+    from diffusers import DDIMScheduler
+
+    from distill.inference.schedulers import GridDDIMScheduler
+
+    ours = GridDDIMScheduler(prediction_type=prediction_type, **SCHEDULE)
+    ref = DDIMScheduler(prediction_type=prediction_type, timestep_spacing="trailing", set_alpha_to_one=True,
+                        clip_sample=False, **SCHEDULE)
+    ours.set_timesteps(steps)
+    ref.set_timesteps(steps)
+    assert ours.timesteps.tolist() == ref.timesteps.tolist()
+    g = torch.Generator().manual_seed(0)
+    x = y = torch.randn(2, 4, 8, 8, generator=g)
+    for t in ours.timesteps:
+        out = torch.tanh(x * (1 + t / 1000))  # any deterministic network stands in for the student
+        x = ours.step(out, t, x).prev_sample
+        y = ref.step(torch.tanh(y * (1 + t / 1000)), t, y).prev_sample
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_grid_ddim_config_round_trips(tmp_path):
+    from distill.inference.schedulers import GridDDIMScheduler
+
+    sched = GridDDIMScheduler(prediction_type="v_prediction", num_train_timesteps=500, **SCHEDULE)
+    sched.save_pretrained(tmp_path)
+    back = GridDDIMScheduler.from_pretrained(tmp_path)
+    public = {k: v for k, v in sched.config.items() if not k.startswith("_")}
+    assert {k: v for k, v in back.config.items() if not k.startswith("_")} == public
+    torch.testing.assert_close(back.alphas_cumprod, sched.alphas_cumprod)
+    back.set_timesteps(3)  # floor(i * 500 / 3) - 1
+    assert back.timesteps.tolist() == [499, 332, 165] and back.previous_timestep(165) == 500
+    with pytest.raises(ValueError, match="not on the 3-step grid"):
+        back.previous_timestep(166)

@@ -366,9 +366,12 @@ class SampleConfig:
     num_seeds: int = 8
     seed: int = 0
     sampler: str | None = None  # a scheduler name (conf/scheduler); default: the pipeline's own
-    num_inference_steps: int = 50
+    num_inference_steps: int | None = None  # default: the pipeline's distill.json, else the pipeline's own default
     guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0
     upscale: int = 4
+
+
+EVALUATE_NFE = (1, 2, 4, 8, 25, 50)  # distill.evaluate's sweep for a pipeline without an intended step count
 
 
 @dataclass
@@ -377,7 +380,7 @@ class EvaluateConfig:
     model_name: str | None = None  # label in tables and plots; default: the folder name
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     schedulers: list[str] | None = None  # several scheduler names in one sweep (overrides `scheduler`)
-    nfe: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 25, 50])  # sampling steps per row
+    nfe: list[int] | None = None  # steps per row; null: the export's intended count (distill.json), else EVALUATE_NFE
     num_per_class: int = 50
     seed: int = 0
     guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0

@@ -112,6 +112,25 @@ def _check_teacher(cfg: DictConfig) -> None:
         )
 
 
+def _check_consistency_sampling(cfg: DictConfig) -> None:
+    """The export samples with diffusers' LCMScheduler on the solver grid: its boundary scalings fix
+    sigma_data = 0.5, and its inference steps are a subset of the method.num_ddim_timesteps grid."""
+    method = cfg.method
+    if method.sigma_data != 0.5:
+        raise ConfigError(
+            f"method.sigma_data={method.sigma_data} cannot be exported: diffusers' LCMScheduler (and TCDScheduler) "
+            "fix sigma_data=0.5 in the boundary scalings c_skip, c_out; set method.sigma_data=0.5"
+        )
+    if method.num_ddim_timesteps < 1:
+        raise ConfigError(f"method.num_ddim_timesteps={method.num_ddim_timesteps} must be >= 1")
+    if cfg.scheduler.name in ("lcm", "tcd") and cfg.scheduler.num_inference_steps > method.num_ddim_timesteps:
+        raise ConfigError(
+            f"scheduler.num_inference_steps={cfg.scheduler.num_inference_steps} exceeds method.num_ddim_timesteps="
+            f"{method.num_ddim_timesteps}: the {cfg.scheduler.name} scheduler samples on that training grid; "
+            f"use at most {method.num_ddim_timesteps} steps"
+        )
+
+
 def validate(cfg: DictConfig) -> None:
     missing = missing_keys(cfg)
     if missing:
@@ -160,6 +179,8 @@ def validate(cfg: DictConfig) -> None:
         from distill.diffusion.consistency import CONSISTENCY_LOSSES
 
         _choice("method.loss_type", method.loss_type, CONSISTENCY_LOSSES)
+    if "num_ddim_timesteps" in method:
+        _check_consistency_sampling(cfg)
     if "ema_decay" in method and not 0.0 <= method.ema_decay < 1.0:
         raise ConfigError(f"method.ema_decay={method.ema_decay} must be in [0, 1) (0 = stop-gradient target)")
     for group in ("callbacks", "logger"):

@@ -1,10 +1,18 @@
-"""Sampling schedulers by name, each built ``from_config`` of the model's training noise schedule."""
+"""Sampling schedulers by name, each built ``from_config`` of the model's training noise schedule, and
+``GridDDIMScheduler``, the DDIM sampler on the exact grid that progressive distillation trains on."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import diffusers
+import torch
+from diffusers import ConfigMixin, DDPMScheduler, SchedulerMixin
+from diffusers.configuration_utils import register_to_config
+from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
+
+from distill.diffusion import add_noise, alpha_sigma, to_x0_eps
+from distill.diffusion.consistency import ddim_step
 
 SCHEDULERS: dict[str, str] = {
     "ddpm": "DDPMScheduler",
@@ -24,3 +32,74 @@ def make_scheduler(name: str, base_config: Any, **options: Any):
         raise ValueError(f"scheduler.name={name!r} is unknown; use one of {sorted(SCHEDULERS)}")
     cls = getattr(diffusers, SCHEDULERS[name])
     return cls.from_config(base_config, **options)
+
+
+def grid_timesteps(i: torch.Tensor, num_steps: int, num_train_timesteps: int) -> torch.Tensor:
+    """Timestep of point ``i`` of an N-step DDIM grid, t_i = floor(i T / N) - 1 (i = N..1); i = 0 is the clean
+    sample, index T (progressive distillation's grid, Salimans & Ho 2022, Algorithm 2 with T discrete steps)."""
+    t = (i * num_train_timesteps) // num_steps - 1
+    return torch.where(i == 0, torch.full_like(t, num_train_timesteps), t)
+
+
+class GridDDIMScheduler(SchedulerMixin, ConfigMixin):
+    """Deterministic DDIM (Song et al. 2021, eq. 12, eta = 0) from t_i to t_{i-1} on the grid of
+    ``grid_timesteps``, the last step landing on the clean sample (alpha = 1, sigma = 0).
+
+    These are the (t, t_prev) pairs a progressive-distillation student is trained on, for every N. diffusers'
+    DDIMScheduler with trailing spacing visits the same points only where N divides T: it rounds i T / N and
+    steps to t - T // N, which for T / N not whole is neither the training pair nor its own next timestep.
+    """
+
+    order = 1
+
+    @register_to_config
+    def __init__(self, num_train_timesteps: int = 1000, beta_start: float = 0.0001, beta_end: float = 0.02,
+                 beta_schedule: str = "linear", trained_betas: list[float] | None = None,
+                 prediction_type: str = "epsilon"):
+        schedule = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_start=beta_start, beta_end=beta_end,
+                                 beta_schedule=beta_schedule, trained_betas=trained_betas)
+        self.alphas_cumprod = schedule.alphas_cumprod.float()
+        # index T holds abar = 1: the clean sample, where the last step lands
+        self._abar = torch.cat([self.alphas_cumprod, torch.ones(1)])
+        self.init_noise_sigma = 1.0
+        self.num_inference_steps: int | None = None
+        self.timesteps = torch.arange(num_train_timesteps - 1, -1, -1)
+
+    def __len__(self) -> int:
+        return self.config.num_train_timesteps
+
+    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+        """timesteps = t_N, ..., t_1 (descending)."""
+        T = self.config.num_train_timesteps
+        if not 1 <= num_inference_steps <= T:
+            raise ValueError(f"num_inference_steps={num_inference_steps} must be in [1, {T}]")
+        self.num_inference_steps = num_inference_steps
+        self.timesteps = grid_timesteps(torch.arange(num_inference_steps, 0, -1), num_inference_steps, T).to(device)
+
+    def previous_timestep(self, timestep: int | torch.Tensor) -> int:
+        """t_{i-1} for t_i on the current grid; T stands for the clean sample."""
+        if self.num_inference_steps is None:
+            raise ValueError("call set_timesteps(num_inference_steps) before stepping")
+        position = (self.timesteps.cpu() == int(timestep)).nonzero()
+        if position.numel() == 0:
+            raise ValueError(f"timestep {int(timestep)} is not on the {self.num_inference_steps}-step grid {self.timesteps.tolist()}")
+        i = self.num_inference_steps - int(position[0, 0])
+        return int(grid_timesteps(torch.tensor(i - 1), self.num_inference_steps, self.config.num_train_timesteps))
+
+    def scale_model_input(self, sample: torch.Tensor, timestep: int | None = None) -> torch.Tensor:
+        return sample
+
+    def step(self, model_output: torch.Tensor, timestep: int | torch.Tensor, sample: torch.Tensor,
+             return_dict: bool = True, **kwargs) -> DDIMSchedulerOutput | tuple:
+        t = torch.tensor([int(timestep), self.previous_timestep(timestep)])
+        alpha, sigma = alpha_sigma(self._abar, t, ndim=1)
+        alpha, sigma = alpha.to(sample.device), sigma.to(sample.device)
+        x0, eps = to_x0_eps(self.config.prediction_type, model_output, sample, alpha[0], sigma[0])
+        prev = ddim_step(x0, eps, alpha[1], sigma[1]).to(sample.dtype)
+        if not return_dict:
+            return prev, x0
+        return DDIMSchedulerOutput(prev_sample=prev, pred_original_sample=x0)
+
+    def add_noise(self, original_samples: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        alpha, sigma = alpha_sigma(self._abar, timesteps.cpu(), original_samples.ndim)
+        return add_noise(original_samples, noise, alpha.to(original_samples), sigma.to(original_samples))

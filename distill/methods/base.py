@@ -30,22 +30,25 @@ def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None 
     return (dist.mean + dist.std * noise) * vae.config.scaling_factor
 
 
-def text_to_image_pipeline(vae, conditioner, unet, scheduler):
-    """A frozen VAE and text encoder plus ``unet`` as an in-memory StableDiffusionPipeline."""
-    from diffusers import StableDiffusionPipeline
+def text_to_image_pipeline(vae, conditioner, unet, scheduler, **call_defaults):
+    """A frozen VAE and text encoder plus ``unet`` as an in-memory StableDiffusionPipeline whose call defaults
+    (``default_num_inference_steps``, ``default_guidance_scale``, ``guidance_distilled``) are ``call_defaults``."""
+    from distill.inference.pipelines import DistillTextToImagePipeline
 
-    pipe = StableDiffusionPipeline(
+    pipe = DistillTextToImagePipeline(
         vae=vae, text_encoder=conditioner.text_encoder, tokenizer=conditioner.tokenizer, unet=unet,
         scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        **call_defaults,
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 @torch.no_grad()
-def pipeline_images(pipe, captions: list[str], generator: torch.Generator, num_inference_steps: int,
-                    guidance_scale: float) -> torch.Tensor:
-    """Images (N, C, H, W) in [-1, 1] from a text-to-image pipeline at its UNet's native size, in eval mode."""
+def pipeline_images(pipe, captions: list[str], generator: torch.Generator, num_inference_steps: int | None = None,
+                    guidance_scale: float | None = None) -> torch.Tensor:
+    """Images (N, C, H, W) in [-1, 1] from a text-to-image pipeline at its UNet's native size, in eval mode
+    (``None``: the pipeline's default step count or guidance)."""
     was_training = pipe.unet.training
     pipe.unet.eval()
     size = pipe.unet.config.sample_size * pipe.vae_scale_factor

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -177,26 +176,41 @@ class LatentConsistencyDistillation(DistillMethod):
     # ------------------------------------------------------------------ sampling and export
 
     def pipeline(self, scheduler: str | None = None):
-        """The student as a diffusers StableDiffusionPipeline (in memory), with an LCM scheduler by default."""
+        """The student as an in-memory distill text-to-image pipeline whose call defaults are the export's
+        (``call_defaults``), with an LCM scheduler by default on the solver grid the student was trained on."""
         from distill.inference.schedulers import make_scheduler
 
         name = scheduler or self.sampling["name"]
-        options = {"timestep_scaling": self.timestep_scaling} if name == "lcm" else {}
+        options = {}
+        if name in ("lcm", "tcd"):  # their inference timesteps are taken from a grid of original_inference_steps
+            if self.sigma_data != 0.5:
+                raise ValueError(f"method.sigma_data={self.sigma_data}: diffusers' {name} scheduler fixes sigma_data=0.5")
+            options = {"timestep_scaling": self.timestep_scaling, "original_inference_steps": self.num_ddim_timesteps}
         if name == self.sampling["name"]:
             options.update(self.sampling.get("options") or {})
         scheduler = make_scheduler(name, self.noise_scheduler_config, **options)
-        return text_to_image_pipeline(self.vae, self.conditioner, self.student, scheduler)
+        return text_to_image_pipeline(self.vae, self.conditioner, self.student, scheduler, **self.call_defaults())
+
+    def call_defaults(self) -> dict:
+        """The intended call: the configured steps; the configured guidance as the student's w input, or, for a
+        student without one (LoRA), guidance 1 and no CFG pass, the guidance being distilled into it."""
+        return {"default_num_inference_steps": self.sampling["num_inference_steps"],
+                "default_guidance_scale": self.sampling["guidance_scale"] if self.w_dim is not None else 1.0,
+                "guidance_distilled": self.w_dim is None}
 
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
-        return pipeline_images(self.pipeline(scheduler), batch["caption"], generator,
-                               num_inference_steps or self.sampling["num_inference_steps"],
-                               guidance_scale if guidance_scale is not None else self.sampling["guidance_scale"])
+        return pipeline_images(self.pipeline(scheduler), batch["caption"], generator, num_inference_steps, guidance_scale)
 
     def export(self, out_dir: str | Path) -> Path:
-        """A StableDiffusionPipeline folder with an LCMScheduler; for a LoRA student also the adapter
-        weights alone (pytorch_lora_weights.safetensors, for ``pipe.load_lora_weights`` on the teacher)."""
+        """A distill text-to-image pipeline folder with an LCMScheduler on the training grid, distill.json and a
+        model card; for a LoRA student also the adapter weights alone (lora/pytorch_lora_weights.safetensors, for
+        ``pipe.load_lora_weights`` on the teacher)."""
+        from distill.inference.model_card import call_info, write_export_info
+
         out_dir = Path(out_dir)
+        pipe = self.pipeline()
+        student = type(self.student).__name__
         if self.is_lora:
             from diffusers import StableDiffusionPipeline
             from diffusers.utils import convert_state_dict_to_diffusers
@@ -208,12 +222,25 @@ class LatentConsistencyDistillation(DistillMethod):
             merged = copy.deepcopy(self.student)
             merged.fuse_lora()
             merged.unload_lora()
-            pipe = self.pipeline()
             pipe.register_modules(unet=merged)
-            pipe.save_pretrained(out_dir)
+            student += " with its LoRA adapters merged (adapters alone in lora/)"
+        pipe.save_pretrained(out_dir)
+        defaults = self.call_defaults()
+        scales = f"[{self.guidance_scale_min}, {self.guidance_scale_max}]"
+        if self.w_dim is not None:
+            guidance = (f"distilled from the teacher's classifier-free guidance at scales drawn from {scales}, taken as "
+                        "an input (the embedding of guidance_scale - 1 through timestep_cond): one UNet evaluation per "
+                        "step at any scale in that range, never a CFG pass.")
         else:
-            self.pipeline().save_pretrained(out_dir)
-        info = {"method": "consistency", "teacher": self.teacher_source, "sampling": self.sampling,
-                "timestep_scaling": self.timestep_scaling}
-        (out_dir / "distill.json").write_text(json.dumps(info, indent=2))
+            guidance = (f"distilled from the teacher's classifier-free guidance at scales drawn from {scales}, without a "
+                        "guidance input: the one UNet evaluation per step is already guided; no CFG pass is run and "
+                        "guidance_scale has no effect.")
+        write_export_info(out_dir, {
+            "method": "consistency", "teacher": self.teacher_source, "student": student, "pipeline": type(pipe).__name__,
+            "sampling": call_info(type(pipe.scheduler).__name__, defaults["default_num_inference_steps"],
+                                  defaults["default_guidance_scale"], cfg_pass=False),
+            "guidance": guidance, "guidance_distilled": defaults["guidance_distilled"],
+            "guidance_scale_range": [self.guidance_scale_min, self.guidance_scale_max],
+            "num_ddim_timesteps": self.num_ddim_timesteps, "timestep_scaling": self.timestep_scaling,
+        })
         return out_dir

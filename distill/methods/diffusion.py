@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from diffusers import DDPMPipeline
 from torch import nn
 
 from distill.diffusion import (
@@ -19,9 +17,13 @@ from distill.diffusion import (
     snr,
     snr_weight,
 )
-from distill.inference.sampling import sample
 from distill.inference.schedulers import make_scheduler
-from distill.methods.base import DistillMethod, encode_latents, text_to_image_pipeline
+from distill.methods.base import (
+    DistillMethod,
+    encode_latents,
+    pipeline_images,
+    text_to_image_pipeline,
+)
 from distill.models.conditioning import TextConditioner
 
 
@@ -123,34 +125,45 @@ class DiffusionTraining(DistillMethod):
     @torch.no_grad()
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
-        n = len(batch["caption"])
-        c = self.student.config
-        shape = (n, c.in_channels, c.sample_size, c.sample_size)
-        noise = torch.randn(shape, generator=generator).to(self.device)
-        cond = {k: v.to(self.device) for k, v in self.conditioner(batch).items()}
-        uncond = {k: v.to(self.device) for k, v in self.conditioner.null(n).items()}
-        was_training = self.student.training
-        self.student.eval()
-        images = sample(
-            self.denoise, self.sampling_scheduler(scheduler), noise, cond, uncond,
-            guidance_scale if guidance_scale is not None else self.sampling["guidance_scale"],
-            num_inference_steps or self.sampling["num_inference_steps"],
-        )
-        self.student.train(was_training)
-        return self.decode(images).clamp(-1, 1)
+        """Images from the pipeline the export holds (``pipeline``): captions, or the batch's class labels."""
+        text = isinstance(self.conditioner, TextConditioner)
+        prompts = batch["caption"] if text else self.conditioner(batch)["class_labels"].tolist()
+        return pipeline_images(self.pipeline(scheduler), prompts, generator, num_inference_steps, guidance_scale)
+
+    def pipeline(self, scheduler: str | None = None):
+        """The model as an in-memory distill pipeline whose call defaults are the configured sampling: text-to-image
+        for a text-conditioned latent model, else class-conditional (labels drawn when none are given)."""
+        from distill.inference.pipelines import DistillClassPipeline
+
+        defaults = {"default_num_inference_steps": self.sampling["num_inference_steps"],
+                    "default_guidance_scale": self.sampling["guidance_scale"]}
+        if isinstance(self.conditioner, TextConditioner):
+            if self.vae is None:
+                raise ValueError("a text-conditioned model exports as a StableDiffusionPipeline, which needs a VAE; "
+                                 "set method.vae (latent diffusion) or use a class conditioner")
+            return text_to_image_pipeline(self.vae, self.conditioner, self.student, self.sampling_scheduler(scheduler),
+                                          **defaults)
+        pipe = DistillClassPipeline(self.student, self.sampling_scheduler(scheduler), self.vae, **defaults)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     def export(self, out_dir: str | Path) -> Path:
-        """A diffusers folder: ``StableDiffusionPipeline`` for a text-conditioned latent model,
-        else ``DDPMPipeline`` (unet + sampling scheduler); plus the sampling defaults in distill.json."""
+        """A diffusers folder (``pipeline``) plus distill.json and a model card with the intended call."""
+        from distill.inference.model_card import call_info, write_export_info
+
         out_dir = Path(out_dir)
-        if isinstance(self.conditioner, TextConditioner) and self.vae is not None:
-            pipe = text_to_image_pipeline(self.vae, self.conditioner, self.student, self.sampling_scheduler())
-            info = {"conditioning": "text"}
-        else:
-            pipe = DDPMPipeline(unet=self.student, scheduler=self.sampling_scheduler())
-            info = {"conditioning": "class", "num_classes": self.conditioner.num_classes,
-                    "null_class": self.conditioner.num_classes}
+        pipe = self.pipeline()
         pipe.save_pretrained(out_dir)
-        info.update({"method": "diffusion", "prediction_type": self.prediction_type, "sampling": self.sampling})
-        (out_dir / "distill.json").write_text(json.dumps(info, indent=2))
-        return out_dir
+        text = isinstance(self.conditioner, TextConditioner)
+        guidance_scale = self.sampling["guidance_scale"]
+        info = {"method": "diffusion", "teacher": None, "student": type(self.student).__name__,
+                "pipeline": type(pipe).__name__, "conditioning": "text" if text else "class",
+                "prediction_type": self.prediction_type,
+                "sampling": call_info(type(pipe.scheduler).__name__, self.sampling["num_inference_steps"], guidance_scale,
+                                      cfg_pass=guidance_scale > 1 if text else guidance_scale != 1),
+                "guidance": (f"classifier-free guidance at sampling time (trained with condition dropout "
+                             f"{self.cond_dropout}): guidance_scale={guidance_scale} runs a conditional and an "
+                             "unconditional pass per step, batched in one UNet call; 1 runs the conditional one only.")}
+        if not text:
+            info.update(num_classes=self.conditioner.num_classes, null_class=self.conditioner.num_classes)
+        return write_export_info(out_dir, info)

@@ -16,7 +16,6 @@ student becomes the teacher and the step count halves. Classifier-free guidance 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from distill.diffusion import add_noise, prediction_target, snr, snr_weight, to_
 from distill.diffusion.consistency import ddim_step, guidance_scale_embedding
 from distill.diffusion.losses import diffusion_loss
 from distill.diffusion.progressive import progressive_x_target, round_schedule
+from distill.inference.schedulers import grid_timesteps
 from distill.methods.base import (
     DistillMethod,
     encode_latents,
@@ -142,9 +142,9 @@ class ProgressiveDistillation(DistillMethod):
     # ------------------------------------------------------------------ objective
 
     def _times(self, i: torch.Tensor, steps: int) -> torch.Tensor:
-        """Timestep of grid point i on an ``steps``-step DDIM grid; i = 0 is the clean end (index T)."""
-        t = (i * self.num_train_timesteps) // steps - 1
-        return torch.where(i == 0, torch.full_like(t, self.num_train_timesteps), t)
+        """Timestep of grid point i on an ``steps``-step DDIM grid; i = 0 is the clean end (index T). The
+        exported GridDDIMScheduler samples on the same grid."""
+        return grid_timesteps(i, steps, self.num_train_timesteps)
 
     def _alpha_sigma(self, t: torch.Tensor):
         abar = self.abar[t].reshape(-1, 1, 1, 1)
@@ -226,31 +226,54 @@ class ProgressiveDistillation(DistillMethod):
     # ------------------------------------------------------------------ sampling and export
 
     def pipeline(self, scheduler: str | None = None):
-        from distill.inference.schedulers import make_scheduler
+        """The student as an in-memory distill text-to-image pipeline with the export's call defaults
+        (``call_defaults``). DDIM (the default) is ``GridDDIMScheduler``: the (t, t_prev) pairs of the training
+        grid at every step count, the last step to the clean sample; other names are diffusers' schedulers
+        with trailing spacing."""
+        from distill.inference.schedulers import GridDDIMScheduler, make_scheduler
 
         name = scheduler or self.sampling["name"]
-        # trailing spacing puts the grid at t = i * T / N - 1, the points the student was trained on;
-        # DDIM's final step goes to the clean image (alpha 1), as the student's last step does.
-        options = {"prediction_type": self.student_prediction_type, "timestep_spacing": "trailing"}
         if name == "ddim":
-            options["set_alpha_to_one"] = True
-        sched = make_scheduler(name, self.noise_scheduler_config, **options)
-        return text_to_image_pipeline(self.vae, self.conditioner, self.student, sched)
+            sched = GridDDIMScheduler.from_config(self.noise_scheduler_config, prediction_type=self.student_prediction_type)
+        else:
+            sched = make_scheduler(name, self.noise_scheduler_config, prediction_type=self.student_prediction_type,
+                                   timestep_spacing="trailing")
+        return text_to_image_pipeline(self.vae, self.conditioner, self.student, sched, **self.call_defaults())
+
+    def call_defaults(self) -> dict:
+        """This round's step count; a w-conditioned student takes the configured guidance as its input, a w-fixed
+        one has its guidance distilled (no CFG pass, guidance 1)."""
+        return {"default_num_inference_steps": self.student_steps,
+                "default_guidance_scale": self.sampling["guidance_scale"] if self.w_conditioned else 1.0,
+                "guidance_distilled": not self.w_conditioned}
 
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
-        return pipeline_images(self.pipeline(scheduler), batch["caption"], generator,
-                               num_inference_steps or self.student_steps,
-                               guidance_scale if guidance_scale is not None else self.sampling["guidance_scale"])
+        return pipeline_images(self.pipeline(scheduler), batch["caption"], generator, num_inference_steps, guidance_scale)
 
     def export(self, out_dir: str | Path) -> Path:
-        """A StableDiffusionPipeline folder whose DDIM scheduler is set up for this round's step count."""
+        """A distill text-to-image pipeline folder whose GridDDIMScheduler samples this round's student on its
+        training grid, with distill.json and a model card."""
+        from distill.inference.model_card import call_info, write_export_info
+
         out_dir = Path(out_dir)
-        self.pipeline().save_pretrained(out_dir)
-        info = {"method": "progressive", "teacher": self.teacher_source, "w_conditioned": self.w_conditioned,
-                "sampling": {"name": "ddim", "num_inference_steps": self.student_steps,
-                             "guidance_scale": self.sampling["guidance_scale"]}}
+        pipe = self.pipeline()
+        pipe.save_pretrained(out_dir)
+        defaults = self.call_defaults()
+        if self.w_conditioned:
+            guidance = (f"distilled from the teacher's classifier-free guidance at scales in [{self.guidance_scale_min}, "
+                        f"{self.guidance_scale_max}], taken as an input (the embedding of guidance_scale - 1 through "
+                        "timestep_cond): one UNet evaluation per step at any scale in that range, never a CFG pass.")
+        else:
+            guidance = (f"distilled from the first teacher's classifier-free guidance at scale {self.hparams.guidance_scale}, "
+                        "without a guidance input: the one UNet evaluation per step is already guided; no CFG pass is "
+                        "run and guidance_scale has no effect.")
+        info = {"method": "progressive", "teacher": self.teacher_source, "student": type(self.student).__name__,
+                "pipeline": type(pipe).__name__,
+                "sampling": call_info(type(pipe.scheduler).__name__, defaults["default_num_inference_steps"],
+                                      defaults["default_guidance_scale"], cfg_pass=False),
+                "guidance": guidance, "guidance_distilled": defaults["guidance_distilled"],
+                "w_conditioned": self.w_conditioned, "prediction_type": self.student_prediction_type}
         if self.w_conditioned:
             info["guidance_scale_range"] = [self.guidance_scale_min, self.guidance_scale_max]
-        (out_dir / "distill.json").write_text(json.dumps(info, indent=2))
-        return out_dir
+        return write_export_info(out_dir, info)

@@ -1,0 +1,100 @@
+"""What an export says about itself: ``distill.json`` (machine-readable) and a model card ``README.md``.
+
+Both carry the intended call (scheduler, step count, guidance, UNet evaluations per step), how the guidance
+was distilled, and the quality-cost rows measured for this student during training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+INFO_FILE = "distill.json"
+
+
+def call_info(scheduler: str, num_inference_steps: int, guidance_scale: float, cfg_pass: bool) -> dict:
+    """The intended call of a pipeline: ``cfg_pass`` when it runs a second (unconditional) UNet pass a step."""
+    return {"name": scheduler, "num_inference_steps": int(num_inference_steps), "guidance_scale": float(guidance_scale),
+            "nfe_per_step": 2 if cfg_pass else 1}
+
+
+def write_export_info(out_dir: str | Path, info: dict) -> Path:
+    """Write ``info`` to ``out_dir/distill.json`` and the model card rendered from it to ``out_dir/README.md``."""
+    out_dir = Path(out_dir)
+    (out_dir / INFO_FILE).write_text(json.dumps(info, indent=2))
+    (out_dir / "README.md").write_text(model_card(info))
+    return out_dir
+
+
+def read_export_info(folder: str | Path) -> dict:
+    """The export's ``distill.json`` ({} for a folder without one, e.g. a teacher from elsewhere)."""
+    path = Path(folder) / INFO_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def rows_of_export(history: list[dict], num_inference_steps: int) -> list[dict]:
+    """The rows of the latest quality-cost evaluation that measured ``num_inference_steps`` (the exported
+    student's step count): that evaluation judged the weights the export holds."""
+    steps = [r["step"] for r in history if r.get("steps") == num_inference_steps and "step" in r]
+    return [r for r in history if steps and r.get("step") == max(steps)]
+
+
+def attach_quality_cost(folder: str | Path, history: list[dict]) -> list[dict]:
+    """Add the quality-cost rows of this export (``rows_of_export``) to its distill.json and model card."""
+    info = read_export_info(folder)
+    if not info:
+        return []
+    rows = rows_of_export(history, info["sampling"]["num_inference_steps"])
+    if rows:
+        write_export_info(folder, dict(info, quality_cost=rows))
+    return rows
+
+
+def _example(info: dict) -> str:
+    return "" if info.get("conditioning") == "class" else '"<prompt>"'
+
+
+def model_card(info: dict) -> str:
+    """A Hugging Face model card: the intended call, loading, how guidance was distilled, measured rows."""
+    from distill.metrics.quality_cost import format_table
+
+    call = info["sampling"]
+    steps, guidance, nfe = call["num_inference_steps"], call["guidance_scale"], call["nfe_per_step"]
+    teacher = f" from the teacher `{info['teacher']}`" if info.get("teacher") else ""
+    tag = "unconditional-image-generation" if info.get("conditioning") == "class" else "text-to-image"
+    rows = info.get("quality_cost") or []
+    quality = format_table(rows) if rows else "Not measured during training (no quality-cost callback ran)."
+    return f"""---
+library_name: diffusers
+pipeline_tag: {tag}
+tags: [distill, {info['method']}]
+---
+
+# {info['method']} student
+
+Trained with `distill` (method `{info['method']}`{teacher}); the UNet is a `{info['student']}`.
+
+## Intended call
+
+`{info['pipeline']}` registers these defaults in `model_index.json`, so `pipe({_example(info)})` uses them:
+`num_inference_steps={steps}`, `guidance_scale={guidance}`, scheduler `{call['name']}`;
+{nfe} UNet evaluation(s) per step, {nfe * steps} per image.
+
+Guidance: {info['guidance']}
+
+## Loading
+
+```python
+import distill.inference.pipelines  # registers distill's pipeline classes with diffusers
+from diffusers import DiffusionPipeline
+
+pipe = DiffusionPipeline.from_pretrained("<this folder>")
+image = pipe({_example(info)}).images[0]
+```
+
+`distill.sample` and `distill.evaluate` read the same defaults from `distill.json`.
+
+## Quality and cost (measured during training)
+
+{quality}
+"""
