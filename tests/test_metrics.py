@@ -210,3 +210,7 @@ def test_uncertainties_in_tables_and_comparisons(tmp_path):
     write_csv(rows, tmp_path / "qc.csv")
     header = (tmp_path / "qc.csv").read_text().splitlines()[0].split(",")
     assert header[header.index("fid") + 1] == "fid_std" and "clip_score_std" in header and "prompt_accuracy_std" in header
+    # Appending to an older run's CSV (no uncertainty columns) keeps its header and column order.
+    (tmp_path / "old.csv").write_text("model,scheduler,steps,fid,latency_s\n")
+    write_csv(rows, tmp_path / "old.csv", append=True)
+    assert (tmp_path / "old.csv").read_text().splitlines()[1:] == ["s,lcm,1,3.2137,0.01", "s,lcm,2,2.5,0.02"]

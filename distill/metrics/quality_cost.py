@@ -204,10 +204,15 @@ def format_uncertain(value: float, std: float) -> str:
 
 
 def write_csv(rows: list[dict], path: Path, append: bool = False) -> None:
+    """Write (or append to) a CSV of ``COLUMNS``; appending keeps an existing file's header (an older run's)."""
     path = Path(path)
     new = not (append and path.exists())
+    columns = COLUMNS
+    if not new:
+        with open(path, newline="") as f:
+            columns = next(csv.reader(f), COLUMNS)
     with open(path, "a" if append else "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         if new:
             writer.writeheader()
         writer.writerows(rows)
