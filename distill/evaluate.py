@@ -52,7 +52,8 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         if name not in SCHEDULERS:
             raise ValueError(f"scheduler {name!r} is unknown; use one of {sorted(SCHEDULERS)}")
     defaults = pipeline_defaults(cfg.pipeline)  # an export's intended call, for what the command line leaves out
-    nfe = list(cfg.nfe or ([defaults["num_inference_steps"]] if "num_inference_steps" in defaults else EVALUATE_NFE))
+    intended = {defaults["num_inference_steps"]} if "num_inference_steps" in defaults else set()
+    nfe = list(cfg.nfe) if cfg.nfe else sorted(set(EVALUATE_NFE) | intended)  # the default sweep has the intended count
     if any(n < 1 for n in nfe):
         raise ValueError(f"nfe={nfe} must hold step counts >= 1")
     pipe = load_pipeline(cfg.pipeline)

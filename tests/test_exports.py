@@ -125,18 +125,18 @@ def _load(folder):
 
 def test_default_call_runs_the_intended_steps_with_one_evaluation_each(exported):
     method, out, info = exported
-    call = info["sampling"]
-    card = (out / "README.md").read_text()
-    assert f"num_inference_steps={call['num_inference_steps']}" in card and info["pipeline"] in card
     pipe = _load(out)
-    assert type(pipe).__name__ == info["pipeline"]
-    assert call["nfe_per_step"] == (2 if info["method"] == "diffusion" else 1)  # CFG only where it was not distilled
     g = torch.Generator().manual_seed(0)
     with NFECounter(pipe.unet) as counter:
         images = (pipe(generator=g) if info.get("conditioning") == "class" else pipe(CAPTIONS[0], generator=g)).images
+    steps = info["sampling"]["num_inference_steps"]
+    nfe = 2 if info["method"] == "diffusion" else 1  # a CFG pass only where guidance was not distilled
     assert len(images) == 1
-    assert counter.calls == call["num_inference_steps"]  # one UNet forward a step, at the intended count
-    assert counter.examples == call["num_inference_steps"] * call["nfe_per_step"]
+    assert counter.calls == steps  # one UNet forward a step, at the intended count
+    assert counter.examples == steps * nfe
+    assert info["sampling"]["nfe_per_step"] == nfe and type(pipe).__name__ == info["pipeline"]
+    card = (out / "README.md").read_text()
+    assert f"num_inference_steps={steps}" in card and info["pipeline"] in card
 
 
 def test_documented_call_gives_the_method_samplers_images(exported):
@@ -221,3 +221,19 @@ def test_quality_cost_rows_of_training_go_into_each_exports_card(tiny_sd, tmp_pa
         info = json.loads((tmp_path / folder / "distill.json").read_text())
         assert [r["fid"] for r in info["quality_cost"]] == [fid]
         assert f"| {fid:g} |" in (tmp_path / folder / "README.md").read_text()  # the card's table
+
+
+def test_sample_command_reads_the_intended_call(tiny_sd, tmp_path):
+    """distill.sample without steps/guidance takes them from distill.json; a class export's rows are its classes."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    out = diffusion_class(tiny_sd).export(tmp_path / "export")
+    grid = tmp_path / "grid.png"
+    proc = subprocess.run([sys.executable, "-m", "distill.sample", f"pipeline={out}", f"out={grid}", "num_seeds=2",
+                           "upscale=1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "20 images, 3 steps, guidance 2.0" in proc.stdout
+    assert Image.open(grid).size[1] > Image.open(grid).size[0]  # 10 class rows, 2 seed columns

@@ -380,7 +380,7 @@ class EvaluateConfig:
     model_name: str | None = None  # label in tables and plots; default: the folder name
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     schedulers: list[str] | None = None  # several scheduler names in one sweep (overrides `scheduler`)
-    nfe: list[int] | None = None  # steps per row; null: the export's intended count (distill.json), else EVALUATE_NFE
+    nfe: list[int] | None = None  # steps per row; null: EVALUATE_NFE plus the export's intended count (distill.json)
     num_per_class: int = 50
     seed: int = 0
     guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0

@@ -10,6 +10,7 @@ import torch
 from diffusers import ConfigMixin, DDPMScheduler, SchedulerMixin
 from diffusers.configuration_utils import register_to_config
 from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
+from diffusers.schedulers.scheduling_utils import KarrasDiffusionSchedulers
 
 from distill.diffusion import add_noise, alpha_sigma, to_x0_eps
 from distill.diffusion.consistency import ddim_step
@@ -50,6 +51,7 @@ class GridDDIMScheduler(SchedulerMixin, ConfigMixin):
     steps to t - T // N, which for T / N not whole is neither the training pair nor its own next timestep.
     """
 
+    _compatibles = [e.name for e in KarrasDiffusionSchedulers]  # from_config of their configs drops their own keys
     order = 1
 
     @register_to_config
