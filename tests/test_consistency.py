@@ -1,7 +1,10 @@
 """Latent consistency distillation: the math against diffusers' own formulas, a short run, exports, bad input."""
 
 import csv
+import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from diffusers import DDIMScheduler, LCMScheduler, StableDiffusionPipeline
@@ -9,11 +12,13 @@ from diffusers import DDIMScheduler, LCMScheduler, StableDiffusionPipeline
 from distill.diffusion import alpha_sigma, to_x0_eps
 from distill.diffusion.consistency import (
     boundary_scalings,
+    check_consistency_loss,
     consistency_loss,
     consistency_output,
     ddim_step,
     ddim_timesteps,
     guidance_scale_embedding,
+    ict_huber_c,
 )
 from tests.conftest import run_train
 from tests.sd_tiny import write_tiny_sd
@@ -67,14 +72,63 @@ def test_w_embedding_matches_the_pipeline():
     assert guidance_scale_embedding(w, 33).shape == (3, 33)
 
 
-def test_losses_formulas():
-    pred, target = torch.zeros(2, 1, 1, 2), torch.tensor([[3.0, 4.0], [0.0, 0.0]]).reshape(2, 1, 1, 2)
-    c = 0.5
-    # pseudo-Huber: sqrt(||x - y||^2 + c^2) - c per example, averaged.
-    assert consistency_loss(pred, target, "pseudo_huber", c).item() == pytest.approx(((25 + 0.25) ** 0.5 - 0.5) / 2)
-    assert consistency_loss(pred, target, "l2").item() == pytest.approx(25 / 4)
-    with pytest.raises(ValueError, match="loss_type='l1'"):
-        consistency_loss(pred, target, "l1")
+def test_losses_golden_values():
+    # two examples of two elements: d = (3, 4) and (0.0005, 0)
+    pred, target = torch.zeros(2, 1, 1, 2), torch.tensor([[3.0, 4.0], [0.0005, 0.0]]).reshape(2, 1, 1, 2)
+    # iCT pseudo-Huber on each example's L2 norm (5 and 0.0005), c = 0.5
+    ict = ((25 + 0.25) ** 0.5 - 0.5 + (0.0005**2 + 0.25) ** 0.5 - 0.5) / 2
+    assert consistency_loss(pred, target, "pseudo_huber", 0.5).item() == pytest.approx(ict, rel=1e-6)
+    # diffusers' LCM scripts: sqrt(d^2 + c^2) - c on each element, c = 0.001
+    lcm = sum((d * d + 1e-6) ** 0.5 - 0.001 for d in (3.0, 4.0, 0.0005, 0.0)) / 4
+    assert consistency_loss(pred, target, "pseudo_huber_elementwise", 0.001).item() == pytest.approx(lcm, rel=1e-6)
+    # Huber / delta: |d| - delta/2 above delta = 0.001, d^2 / (2 delta) below
+    huber = (3 - 0.0005 + 4 - 0.0005 + 0.0005**2 / 0.002 + 0) / 4
+    assert consistency_loss(pred, target, "huber", 0.001).item() == pytest.approx(huber, rel=1e-6)
+    l1 = (3 + 4 + 0.0005) / 4
+    assert consistency_loss(pred, target, "huber", 1e-6).item() == pytest.approx(l1, rel=1e-5)  # L1 as delta -> 0
+    assert consistency_loss(pred, target, "l2", None).item() == pytest.approx((9 + 16 + 0.0005**2) / 4, rel=1e-6)
+
+
+def _reference(kind: str, x: np.ndarray, y: np.ndarray, c: float) -> float:
+    """The four distances in float64 numpy, straight from their sources' formulas."""
+    d = (x - y).reshape(len(x), -1)
+    if kind == "pseudo_huber":
+        return float(np.mean(np.sqrt(np.sum(d**2, axis=1) + c**2) - c))
+    if kind == "pseudo_huber_elementwise":
+        return float(np.mean(np.sqrt(d**2 + c**2) - c))
+    if kind == "huber":
+        a = np.abs(d)
+        return float(np.mean(np.where(a <= c, 0.5 * d**2, c * (a - 0.5 * c))) / c)
+    return float(np.mean(d**2))
+
+
+@pytest.mark.parametrize("kind, c", [("pseudo_huber", 0.001), ("pseudo_huber", None), ("pseudo_huber_elementwise", 0.001),
+                                     ("huber", 0.001), ("huber", 0.1), ("l2", None)])
+def test_losses_match_reference_formulas_on_latents(kind, c):
+    g = torch.Generator().manual_seed(0)
+    pred, target = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
+    target[0] = pred[0] + 1e-3 * torch.randn(4, 8, 8, generator=g)  # one example near the quadratic region
+    ref = _reference(kind, pred.double().numpy(), target.double().numpy(), 0.00054 * math.sqrt(256) if c is None else c)
+    assert consistency_loss(pred, target, kind, c).item() == pytest.approx(ref, rel=1e-5)
+
+
+def test_ict_huber_c_of_a_4x8x8_latent():
+    assert ict_huber_c(4 * 8 * 8) == pytest.approx(0.00864, rel=1e-12)  # 0.00054 * sqrt(256)
+    assert ict_huber_c(3 * 32 * 32) == pytest.approx(0.03, rel=0.01)  # iCT's CIFAR-10 value
+
+
+@pytest.mark.parametrize(
+    "kind, c, needle",
+    [("l1", 0.001, "method.loss_type='l1' is not supported"),
+     ("huber", None, "method.huber_c=null (iCT's c = 0.00054 sqrt(d)) is defined only for method.loss_type=pseudo_huber"),
+     ("pseudo_huber_elementwise", None, "set method.huber_c to a number"),
+     ("pseudo_huber", 0.0, "method.huber_c=0.0 must be > 0")],
+)
+def test_bad_loss_settings_are_rejected(kind, c, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        check_consistency_loss(kind, c)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        consistency_loss(torch.zeros(1, 2), torch.ones(1, 2), kind, c)
 
 
 LCM_FAST = ["callbacks.quality_cost=null", "student.time_cond_proj_dim=32", "data.batch_size=16", "trainer.log_every_n_steps=5",
@@ -138,6 +192,7 @@ def test_lora_student_exports_weights_that_load_into_the_teacher(tiny_sd, tmp_pa
         (["method.guidance_scale_min=8", "method.guidance_scale_max=4"], "guidance_scale_min=8.0 > method.guidance_scale_max=4.0"),
         (["data.resolution=30"], "not divisible by the teacher's VAE factor 4"),
         (["method.loss_type=l1"], "method.loss_type='l1'"),
+        (["method.loss_type=huber", "method.huber_c=null"], "method.huber_c=null"),
     ],
 )
 def test_bad_input_fails_before_training(tiny_sd, tmp_path, overrides, needle):

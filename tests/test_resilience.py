@@ -16,10 +16,15 @@ from distill.utils.checkpoint import CheckpointError, atomic_torch_save, resolve
 from tests.conftest import ROOT, run_train
 
 N = 8  # steps; the digits train split at batch 256 has 5 batches per epoch, so step 5 ends epoch 0
+SHRINK = ["trainer.limit_val_batches=0", "callbacks.samples=null", "checkpoint.every_n_train_steps=1",
+          "checkpoint.save_top_k=-1", "trainer.log_every_n_steps=1", "callbacks.progress=null", "export=false",
+          "sample_grid_seeds=0"]
 COMMON = ["+exp=debug", "data.batch_size=256", "trainer.max_steps=8", "method.lr_scheduler.total_steps=8",
-          "method.lr_scheduler.warmup_steps=2", "trainer.limit_val_batches=0", "callbacks.samples=null",
-          "checkpoint.every_n_train_steps=1", "checkpoint.save_top_k=-1", "trainer.log_every_n_steps=1",
-          "callbacks.progress=null", "export=false", "sample_grid_seeds=0"]
+          "method.lr_scheduler.warmup_steps=2", *SHRINK]
+N_LCM = 5  # the default LCM experiment (EMA target in the module, no EMA callback), shrunk
+LCM = ["+exp=consistency", "data.batch_size=8", f"trainer.max_steps={N_LCM}", f"method.lr_scheduler.total_steps={N_LCM}",
+       "method.lr_scheduler.warmup_steps=2", "callbacks.quality_cost=null", *SHRINK]
+RUNS = {"debug": (COMMON, N), "lcm": (LCM, N_LCM), "lcm_accumulate": ([*LCM, "trainer.accumulate_grad_batches=2"], N_LCM)}
 
 
 def _losses(run_dir: Path) -> dict[int, str]:
@@ -42,30 +47,44 @@ def _assert_same_state(a: dict, b: dict, path: str = "") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
-def _assert_same_run(straight: Path, resumed: Path) -> None:
+def _assert_same_run(straight: Path, resumed: Path, n: int = N) -> None:
     a, b = (safe_load(d / "checkpoints" / "last.ckpt") for d in (straight, resumed))
-    assert a["global_step"] == b["global_step"] == N
-    _assert_same_state(a["state_dict"], b["state_dict"], "state_dict")
+    assert a["global_step"] == b["global_step"] == n
+    _assert_same_state(a["state_dict"], b["state_dict"], "state_dict")  # student, and the LCM's EMA target
     _assert_same_state(a["optimizer_states"], b["optimizer_states"], "optimizer")
     _assert_same_state(a["lr_schedulers"], b["lr_schedulers"], "lr_schedulers")
     ema = [k for k in a["callbacks"] if k.startswith("EMA")]
-    assert ema
-    _assert_same_state(a["callbacks"][ema[0]], b["callbacks"][ema[0]], "ema")
+    assert ema or any(k.startswith("target.") for k in a["state_dict"])  # an EMA callback or an EMA target
+    for key in ema:
+        _assert_same_state(a["callbacks"][key], b["callbacks"][key], "ema")
     la, lb = _losses(straight), _losses(resumed)
-    assert len(la) == N and la == {k: lb[k] for k in la}  # the whole loss curve, to the last printed digit
+    assert len(la) == n and la == {k: lb[k] for k in la}  # the whole loss curve, to the last printed digit
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    proc = run_train(*COMMON, "logger=csv", f"hydra.run.dir={run_dir}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+def straight_runs(tmp_path_factory):
+    """The unbroken run of each of RUNS, trained once per module on first use."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            run_dir = tmp_path_factory.mktemp(f"straight_{name}") / "run"
+            proc = run_train(*RUNS[name][0], "logger=csv", f"hydra.run.dir={run_dir}")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[name] = run_dir
+        return done[name]
+
+    return get
 
 
-def _popen(run_dir: Path, *extra: str) -> subprocess.Popen:
+@pytest.fixture(scope="module")
+def straight(straight_runs):
+    return straight_runs("debug")
+
+
+def _popen(run_dir: Path, *extra: str, base: list[str] = COMMON) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline"}  # the same threads as run_train: bit-identity needs them
-    return subprocess.Popen([sys.executable, "-m", "distill.train", *COMMON, "logger=csv", *extra,
+    return subprocess.Popen([sys.executable, "-m", "distill.train", *base, "logger=csv", *extra,
                              f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -90,16 +109,20 @@ def test_resume_mid_epoch_and_at_an_epoch_boundary_is_bit_identical(straight, tm
     _assert_same_run(straight, run_dir)
 
 
-def test_sigkill_in_the_middle_of_a_step_then_resume(straight, tmp_path):
-    run_dir = tmp_path / "run"
-    proc = _popen(run_dir)
+@pytest.mark.parametrize("name", list(RUNS))
+def test_sigkill_in_the_middle_of_a_step_then_resume(straight_runs, tmp_path, name):
+    """debug: the EMA callback; lcm: the module's EMA target (updated after each optimizer step, so a checkpoint
+    holds the target of its own step); lcm_accumulate: the same with 2 micro-batches per optimizer step."""
+    overrides, n = RUNS[name]
+    straight, run_dir = straight_runs(name), tmp_path / "run"
+    proc = _popen(run_dir, base=overrides)
     _wait_for(run_dir / "checkpoints" / "step_0000003.ckpt", proc)
     proc.send_signal(signal.SIGKILL)  # wherever it is: inside step 4, or writing its checkpoint
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
-    second = run_train(*COMMON, "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")
+    second = run_train(*overrides, "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")
     assert second.returncode == 0, second.stderr[-3000:]
-    _assert_same_run(straight, run_dir)
+    _assert_same_run(straight, run_dir, n)
 
 
 def test_preemption_signal_saves_exits_and_the_same_command_resumes(straight, tmp_path):
@@ -277,3 +300,43 @@ def test_checkpoint_of_another_method_is_refused():
     other = {**ok, "distill": {**here, "method": "distill.methods.progressive.ProgressiveDistillation"}}
     with pytest.raises(ValueError, match="other.ckpt was written by method distill.methods.progressive"):
         _check_compatible(other, "other.ckpt", method)
+
+
+# ---------------------------------------------------------------- EMA: once per optimizer step
+
+
+def test_ema_callback_updates_once_per_optimizer_step_with_its_images():
+    """5 batches of 2 images per epoch, 2 micro-batches per step: Lightning steps after batches 2, 4 and 5 of each
+    epoch, so 6 steps in 2 epochs of 4, 4 and 2 images; the EMA must follow exactly those steps."""
+    import lightning as L
+
+    from distill.callbacks.ema import EMA
+
+    class Toy(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.student = torch.nn.Linear(1, 1, bias=False)
+            torch.nn.init.zeros_(self.student.weight)
+            self.after_step: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            return (self.student(batch["pixel_values"]) - 1).pow(2).mean()
+
+        def optimizer_step(self, *args, **kwargs):
+            super().optimizer_step(*args, **kwargs)
+            self.after_step.append(self.student.weight.item())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader([{"pixel_values": torch.ones(2, 1)}] * 5, batch_size=None)
+    toy, ema = Toy(), EMA(half_life_images=4, rampup_ratio=None)
+    trainer = L.Trainer(max_epochs=2, accumulate_grad_batches=2, callbacks=[ema], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(toy, loader)
+    assert trainer.global_step == len(toy.after_step) == 6 and ema.seen_images == 20
+    expected = 0.0
+    for weight, images in zip(toy.after_step, [4, 4, 2, 4, 4, 2]):  # EDM: beta = 0.5 ** (images / half-life)
+        beta = 0.5 ** (images / 4)
+        expected = beta * expected + (1 - beta) * weight
+    assert ema.ema.weight.item() == pytest.approx(expected, rel=1e-6)

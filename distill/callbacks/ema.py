@@ -16,13 +16,24 @@ def ema_beta(batch_images: int, half_life_images: float, seen_images: int, rampu
     return 0.5 ** (batch_images / max(half_life, 1e-8))
 
 
+def closes_optimizer_step(trainer, batch_idx: int) -> bool:
+    """Whether Lightning steps the optimizer after this batch: it closes an accumulation window, or the epoch
+    (Lightning steps on the epoch's last batch even when the window is incomplete)."""
+    if not (batch_idx + 1) % trainer.accumulate_grad_batches:
+        return True
+    return batch_idx + 1 == trainer.num_training_batches or trainer.is_last_batch
+
+
 class EMA(L.Callback):
-    """Keeps ``ema`` = EMA of ``pl_module.<attr>``; validation and export use the EMA weights."""
+    """Keeps ``ema`` = EMA of ``pl_module.<attr>``, updated once per optimizer step with the images that step
+    used (all micro-batches of an accumulation window, on every rank); validation and export use the EMA weights.
+    Lightning runs ModelCheckpoint after the other callbacks, so a checkpoint holds the EMA of its own step."""
 
     def __init__(self, half_life_images: float = 20000, rampup_ratio: float | None = 0.05, attr: str = "student"):
         self.half_life_images, self.rampup_ratio, self.attr = half_life_images, rampup_ratio, attr
         self.ema: torch.nn.Module | None = None
         self.seen_images = 0
+        self._window_images = 0  # images of the optimizer step in progress (0 at every step boundary)
         self._pending_state: dict | None = None
         self._backup: dict | None = None
 
@@ -34,9 +45,10 @@ class EMA(L.Callback):
 
     @torch.no_grad()
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        batch_images = batch["pixel_values"].shape[0] * trainer.world_size * trainer.accumulate_grad_batches
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+        self._window_images += batch["pixel_values"].shape[0] * trainer.world_size
+        if not closes_optimizer_step(trainer, batch_idx):
             return
+        batch_images, self._window_images = self._window_images, 0
         self.seen_images += batch_images
         beta = ema_beta(batch_images, self.half_life_images, self.seen_images, self.rampup_ratio)
         live = getattr(pl_module, self.attr).state_dict()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-CONSISTENCY_LOSSES = ("l2", "huber", "pseudo_huber")
+CONSISTENCY_LOSSES = ("l2", "huber", "pseudo_huber", "pseudo_huber_elementwise")
 
 
 def boundary_scalings(
@@ -42,16 +44,54 @@ def guidance_scale_embedding(w: torch.Tensor, dim: int) -> torch.Tensor:
     return F.pad(emb, (0, 1)) if dim % 2 else emb
 
 
-def consistency_loss(pred: torch.Tensor, target: torch.Tensor, kind: str = "pseudo_huber", huber_c: float = 0.001) -> torch.Tensor:
-    """Distance d(f_student, f_target): squared L2, Huber, or pseudo-Huber sqrt(|x - y|^2 + c^2) - c
-    (Song & Dhariwal 2023, iCT sec. 3.3), averaged over the batch."""
+def ict_huber_c(numel: int) -> float:
+    """iCT's pseudo-Huber constant c = 0.00054 sqrt(d), d = elements per example (Song & Dhariwal 2023, sec. 3.3)."""
+    return 0.00054 * math.sqrt(numel)
+
+
+def pseudo_huber(pred: torch.Tensor, target: torch.Tensor, c: float) -> torch.Tensor:
+    """sqrt(||x - y||_2^2 + c^2) - c per example, averaged over the batch (Song & Dhariwal 2023, iCT sec. 3.3)."""
+    sq_norm = (pred.float() - target.float()).pow(2).flatten(1).sum(1)  # (N,)
+    return (sq_norm + c**2).sqrt().sub(c).mean()
+
+
+def pseudo_huber_elementwise(pred: torch.Tensor, target: torch.Tensor, c: float) -> torch.Tensor:
+    """mean over elements of sqrt((x - y)^2 + c^2) - c (diffusers' examples/consistency_distillation/
+    train_lcm_distill_*.py, --loss_type=huber, --huber_c=0.001)."""
+    return ((pred.float() - target.float()).pow(2) + c**2).sqrt().sub(c).mean()
+
+
+def scaled_huber(pred: torch.Tensor, target: torch.Tensor, delta: float) -> torch.Tensor:
+    """Huber(x - y; delta) / delta averaged over elements (Huber 1964): |d| - delta/2 for |d| > delta, d^2 / (2 delta)
+    below; the division keeps the magnitude of L1 (its limit for |d| >> delta) however small delta is."""
+    return F.huber_loss(pred.float(), target.float(), delta=delta) / delta
+
+
+def check_consistency_loss(kind: str, huber_c: float | None) -> None:
+    """Rejects an unknown ``method.loss_type`` or an unusable ``method.huber_c`` before any compute."""
+    if kind not in CONSISTENCY_LOSSES:
+        raise ValueError(f"method.loss_type={kind!r} is not supported; use one of {CONSISTENCY_LOSSES}")
+    if kind == "l2":
+        return
+    if huber_c is None and kind != "pseudo_huber":
+        raise ValueError(f"method.huber_c=null (iCT's c = 0.00054 sqrt(d)) is defined only for method.loss_type="
+                         f"pseudo_huber; set method.huber_c to a number (e.g. 0.001) for method.loss_type={kind!r}")
+    if huber_c is not None and huber_c <= 0:
+        raise ValueError(f"method.huber_c={huber_c} must be > 0 (or null for iCT's c with method.loss_type=pseudo_huber)")
+
+
+def consistency_loss(pred: torch.Tensor, target: torch.Tensor, kind: str, huber_c: float | None) -> torch.Tensor:
+    """Distance d(f_student, f_target) of ``kind`` in CONSISTENCY_LOSSES: ``l2`` mean squared error, ``huber``
+    (``scaled_huber``, delta = huber_c), ``pseudo_huber`` (per example, iCT; huber_c=None: iCT's c for this
+    example size) or ``pseudo_huber_elementwise`` (diffusers' LCM scripts)."""
+    check_consistency_loss(kind, huber_c)
     if kind == "l2":
         return F.mse_loss(pred.float(), target.float())
     if kind == "huber":
-        return F.huber_loss(pred.float(), target.float(), delta=huber_c)
-    if kind == "pseudo_huber":
-        return (((pred.float() - target.float()) ** 2).flatten(1).sum(1) + huber_c**2).sqrt().sub(huber_c).mean()
-    raise ValueError(f"method.loss_type={kind!r} is not supported; use one of {CONSISTENCY_LOSSES}")
+        return scaled_huber(pred, target, huber_c)
+    if kind == "pseudo_huber_elementwise":
+        return pseudo_huber_elementwise(pred, target, huber_c)
+    return pseudo_huber(pred, target, ict_huber_c(pred[0].numel()) if huber_c is None else huber_c)
 
 
 def ddim_timesteps(num_train_timesteps: int, num_ddim_timesteps: int) -> torch.Tensor:

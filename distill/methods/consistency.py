@@ -12,6 +12,7 @@ from torch import nn
 from distill.diffusion import add_noise, alpha_sigma, to_x0_eps
 from distill.diffusion.consistency import (
     boundary_scalings,
+    check_consistency_loss,
     consistency_loss,
     consistency_output,
     ddim_step,
@@ -47,7 +48,7 @@ class LatentConsistencyDistillation(DistillMethod):
         guidance_scale_max: float = 6.0,
         ema_decay: float = 0.95,
         loss_type: str = "pseudo_huber",
-        huber_c: float = 0.001,
+        huber_c: float | None = 0.001,
         timestep_scaling: float = 10.0,
         sigma_data: float = 0.5,
         cache_prompts: bool = True,
@@ -56,6 +57,7 @@ class LatentConsistencyDistillation(DistillMethod):
         super().__init__(optimizer, lr_scheduler)
         if guidance_scale_min > guidance_scale_max:
             raise ValueError(f"method.guidance_scale_min={guidance_scale_min} > method.guidance_scale_max={guidance_scale_max}")
+        check_consistency_loss(loss_type, huber_c)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
         self.teacher_source = teacher.source
         self.teacher_unet = teacher.unet.requires_grad_(False).eval()
@@ -162,11 +164,19 @@ class LatentConsistencyDistillation(DistillMethod):
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0])
         return self.add_student_aux_loss(loss, batch["pixel_values"].shape[0])
 
+    def optimizer_step(self, *args, **kwargs) -> None:
+        """The optimizer step, then the target's EMA update: once per optimizer step (not per micro-batch under
+        gradient accumulation) and before the checkpoint callbacks run, so that a checkpoint holds the target of
+        its own step. A step skipped by the non-finite guard (every gradient dropped, the student unchanged)
+        leaves the target unchanged too."""
+        super().optimizer_step(*args, **kwargs)
+        if self.target is not None and any(p.grad is not None for p in self.student.parameters()):
+            self._update_target()
+
     @torch.no_grad()
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if self.target is not None:
-            for p_target, p_student in zip(self.target.parameters(), self.student.parameters()):
-                p_target.lerp_(p_student, 1.0 - self.ema_decay)
+    def _update_target(self) -> None:
+        for p_target, p_student in zip(self.target.parameters(), self.student.parameters()):
+            p_target.lerp_(p_student, 1.0 - self.ema_decay)
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch, torch.Generator().manual_seed(1000 + batch_idx))
