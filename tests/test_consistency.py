@@ -131,6 +131,32 @@ def test_bad_loss_settings_are_rejected(kind, c, needle):
         consistency_loss(torch.zeros(1, 2), torch.ones(1, 2), kind, c)
 
 
+def test_target_moves_once_per_optimizer_step_and_not_on_a_skipped_one(tiny_sd):
+    """The EMA target update belongs to the optimizer step: a step whose gradients the non-finite guard dropped
+    moves neither the student nor the target; a real step moves the target by (1 - ema_decay) towards the student."""
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.models.students import copy_student
+    from distill.models.teacher import load_teacher
+
+    method = LatentConsistencyDistillation(load_teacher(str(tiny_sd)), lambda unet: copy_student(unet, 32),
+                                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), ema_decay=0.75)
+    optimizer = torch.optim.SGD(method.student.parameters(), lr=0.1)
+    with torch.no_grad():
+        for p in method.target.parameters():  # a target apart from the student, so that an update shows
+            p.add_(1.0)
+    student, target = ({k: v.clone() for k, v in m.named_parameters()} for m in (method.student, method.target))
+    method.optimizer_step(0, 0, optimizer, None)  # no gradients: what the guard leaves of a bad step
+    for name, p in method.target.named_parameters():
+        assert torch.equal(p, target[name]) and torch.equal(method.student.get_parameter(name), student[name]), name
+    for p in method.student.parameters():
+        p.grad = torch.ones_like(p)
+    method.optimizer_step(0, 1, optimizer, None)
+    for name, p in method.target.named_parameters():
+        moved = student[name] - 0.1  # SGD on a gradient of ones
+        torch.testing.assert_close(method.student.get_parameter(name), moved)
+        torch.testing.assert_close(p, 0.75 * target[name] + 0.25 * moved)
+
+
 LCM_FAST = ["callbacks.quality_cost=null", "student.time_cond_proj_dim=32", "data.batch_size=16", "trainer.log_every_n_steps=5",
             "trainer.limit_val_batches=1", "callbacks.samples.num_seeds=1", "sample_grid_seeds=1", "logger=csv"]
 

@@ -340,3 +340,34 @@ def test_ema_callback_updates_once_per_optimizer_step_with_its_images():
         beta = 0.5 ** (images / 4)
         expected = beta * expected + (1 - beta) * weight
     assert ema.ema.weight.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_preemption_under_accumulation_saves_at_the_step_boundary(tmp_path):
+    """A signal during the first micro-batch of a window: the checkpoint waits for the window's optimizer step (a
+    checkpoint inside the window would lose the micro-batch gradients accumulated so far)."""
+    import lightning as L
+
+    from distill.callbacks.resilience import Preemption
+
+    preemption = Preemption()
+
+    class Toy(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.student = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:  # the first micro-batch of the second optimizer step
+                preemption.received = signal.SIGTERM
+            return self.student(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader([torch.ones(2, 1)] * 8, batch_size=None)
+    trainer = L.Trainer(max_epochs=1, accumulate_grad_batches=2, callbacks=[preemption], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(Toy(), loader)
+    saved = safe_load(tmp_path / "last.ckpt")
+    assert preemption.preempted and trainer.global_step == saved["global_step"] == 2  # after batch 4 of 8

@@ -96,6 +96,7 @@ class Preemption(L.Callback):
         self.received: int | None = None
         self.preempted = False
         self._previous: dict = {}
+        self._step_at_batch_start = -1
 
     def _handler(self, signum, frame) -> None:
         self.received = signum
@@ -113,9 +114,14 @@ class Preemption(L.Callback):
             signal.signal(sig, handler)
         self._previous = {}
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step_at_batch_start = trainer.global_step
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         stop = trainer.strategy.reduce_boolean_decision(self.received is not None, all=False)
-        if not stop or self.preempted:
+        # inside a gradient-accumulation window (no optimizer step yet), wait for the window's step: a checkpoint
+        # here would lose the gradients accumulated so far
+        if not stop or self.preempted or trainer.global_step == self._step_at_batch_start:
             return
         from pathlib import Path
 
