@@ -17,6 +17,8 @@ import torch
 
 from distill.assets import asset_path
 from distill.data import DigitsDataModule
+from distill.diffusion import alpha_sigma
+from distill.diffusion.consistency import ddim_step
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.models.students import copy_student
 from distill.models.teacher import load_teacher
@@ -55,11 +57,16 @@ def main() -> None:
     uncond = method.conditioner.null(n)["encoder_hidden_states"]
     w_kwargs = method._w_embedding(w)
 
+    def teacher_and_solver():
+        x0_w, eps_w = method._teacher(x0, t, cond, uncond, w)
+        alpha_prev, sigma_prev = alpha_sigma(method.alphas_cumprod, (t - method.skip).clamp(min=0), x0.ndim)
+        return ddim_step(x0_w, eps_w, alpha_prev, sigma_prev)
+
     def full():
         optimizer.zero_grad(set_to_none=True)
         method.loss(batch).backward()
         optimizer.step()
-        method.on_train_batch_end(None, batch, 0)
+        method._update_target()
 
     def student():
         optimizer.zero_grad(set_to_none=True)
@@ -69,7 +76,7 @@ def main() -> None:
     with torch.no_grad():
         parts = {
             "VAE encode": timed(lambda: method.encode(batch["pixel_values"]), args.steps, args.repeats),
-            "teacher (CFG, 2 passes in 1 batch) + DDIM step": timed(lambda: method._teacher(x0, t, cond, uncond, w), args.steps, args.repeats),
+            "teacher (CFG, 2 passes in 1 batch) + DDIM step": timed(teacher_and_solver, args.steps, args.repeats),
             "target forward": timed(lambda: method._consistency_fn(method.target, x0, t, cond, w_kwargs), args.steps, args.repeats),
         }
     parts["student forward + backward + AdamW"] = timed(student, args.steps, args.repeats)
