@@ -5,12 +5,14 @@ import math
 import pytest
 import torch
 from diffusers import DDPMScheduler
+from torch.utils.checkpoint import checkpoint
 
 from distill.models.moe import (
     MoEFeedForward,
     TimestepMoEUNet,
     TokenMoEUNet,
     expert_boundaries,
+    no_routing_record,
     timestep_moe_student,
     token_moe_student,
 )
@@ -220,20 +222,37 @@ def test_aux_loss_is_the_weighted_sum_over_layers(teacher):
 
 
 @pytest.mark.parametrize("build", [token_moe_student, timestep_moe_student])
-def test_no_grad_pass_in_training_keeps_the_students_routing_record(teacher, build):
+def test_marked_target_pass_keeps_the_students_routing_record(teacher, build):
     moe = build(teacher.unet, num_experts=2, time_cond_proj_dim=None).train()
     x, t, cond, _ = _inputs()
     moe(x, t, cond)
     aux, stats = moe.aux_loss(), moe.router_stats()
     x_prev, t_prev = x.flip(0) * 2, torch.tensor([700, 800, 900, 990])  # all on the high-noise expert
-    with torch.no_grad():  # the LCM target pass through the student itself (ema_decay=0): other x, t
+    with torch.no_grad(), no_routing_record(moe):  # the LCM target pass through the student itself: other x, t
         moe(x_prev, t_prev, cond)
+    assert all(getattr(m, "records_routing", True) for m in moe.modules())  # the mark ends with the block
     assert moe.router_stats() == stats
     if aux is not None:
         assert moe.aux_loss().grad_fn is not None and moe.aux_loss().item() == aux.item()
     with torch.no_grad():  # sampling (eval mode) records its own routing
         moe.eval()(x_prev, t_prev, cond)
     assert moe.router_stats() != stats
+
+
+def test_reentrant_checkpoint_forward_records_the_students_routing(teacher):
+    moe = token_moe_student(teacher.unet, num_experts=3, top_k=2, z_loss_weight=0.001, time_cond_proj_dim=None)
+    x, t, cond, _ = _inputs()
+    moe(x, t, cond)
+    plain_aux, plain_stats = moe.aux_loss().item(), moe.router_stats()
+    moe(x.flip(0) * 2, t.flip(0), cond)  # an earlier forward's record, which the checkpointed one must replace
+    assert moe.router_stats() != plain_stats
+    x = x.clone().requires_grad_(True)
+    out = checkpoint(lambda s: moe(s, t, cond).sample, x, use_reentrant=True)  # runs the forward under no_grad
+    aux = moe.aux_loss()
+    assert moe.router_stats() == plain_stats and aux.item() == pytest.approx(plain_aux, rel=1e-6)
+    assert aux.grad_fn is None  # a reentrant checkpoint keeps no graph of side outputs: the router gets no aux gradient
+    (out.square().mean() + aux).backward()  # no stale graph of an earlier forward is reused
+    assert x.grad.abs().sum() > 0
 
 
 def test_consistency_with_ema_decay_0_adds_the_students_aux_loss(teacher):

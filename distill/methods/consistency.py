@@ -26,6 +26,7 @@ from distill.methods.base import (
     text_to_image_pipeline,
 )
 from distill.models.conditioning import TextConditioner
+from distill.models.moe import no_routing_record
 from distill.models.students import make_student
 from distill.models.teacher import Teacher
 
@@ -155,8 +156,9 @@ class LatentConsistencyDistillation(DistillMethod):
             x0_w, eps_w = self._teacher(x_t, t, cond, uncond, w)
             alpha_prev, sigma_prev = alpha_sigma(self.alphas_cumprod, t_prev, x0.ndim)
             x_prev = ddim_step(x0_w, eps_w, alpha_prev, sigma_prev)
-            f_target = self._consistency_fn(self.target if self.target is not None else self.student,
-                                            x_prev, t_prev, cond, w_kwargs)
+            target = self.target if self.target is not None else self.student
+            with no_routing_record(target):  # the student's own routing record is the one its loss trains
+                f_target = self._consistency_fn(target, x_prev, t_prev, cond, w_kwargs)
         return consistency_loss(f_student, f_target, self.loss_type, self.huber_c)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

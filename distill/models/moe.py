@@ -10,9 +10,11 @@
   capacity, the load-balancing auxiliary loss and the optional router z-loss (ST-MoE, Zoph et al.
   2022), summed over the MoE layers. Only the chosen experts run.
 
-Routing records (auxiliary loss, router statistics) are kept from the student's own forward only: a
-forward in training mode without gradients is a stop-gradient target pass through the same module
-(latent consistency distillation with ``ema_decay=0``) and leaves the record of the pass that trains.
+Every forward replaces the routing record (auxiliary loss, router statistics) except one run inside
+``no_routing_record``: the caller marks a stop-gradient target pass through the student itself (latent
+consistency distillation with ``ema_decay=0``), which leaves the record of the pass that trains. The mark is
+explicit because no-grad mode does not tell the two apart: a reentrant checkpoint runs the student's own
+forward without gradients too.
 
 Both are diffusers ``ModelMixin`` models: ``save_pretrained`` / ``from_pretrained`` work, and a
 ``StableDiffusionPipeline`` saved with one as its ``unet`` loads back with diffusers' own
@@ -21,8 +23,10 @@ Both are diffusers ``ModelMixin`` models: ``save_pretrained`` / ``from_pretraine
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +53,23 @@ def _timesteps_like(timestep, sample: torch.Tensor) -> torch.Tensor:
 
 
 def records_routing(module: nn.Module) -> bool:
-    """Whether this forward of ``module`` replaces its routing record: any forward except a training-mode one
-    without gradients, which is a stop-gradient target pass whose routing no loss trains."""
-    return torch.is_grad_enabled() or not module.training
+    """Whether this forward of ``module`` replaces its routing record: any forward outside ``no_routing_record``."""
+    return getattr(module, "records_routing", True)
+
+
+@contextlib.contextmanager
+def no_routing_record(module: nn.Module) -> Iterator[None]:
+    """Forwards of ``module`` inside keep the MoE routing records of its earlier forward: a stop-gradient target
+    pass through the student itself, whose routing no loss trains. A no-op for modules without MoE layers."""
+    routed = [m for m in module.modules() if isinstance(m, (TimestepMoEUNet, TokenMoEUNet, MoEFeedForward))]
+    previous = [records_routing(m) for m in routed]
+    for m in routed:
+        m.records_routing = False
+    try:
+        yield
+    finally:
+        for m, value in zip(routed, previous):
+            m.records_routing = value
 
 
 def _bin_load(load: torch.Tensor, t: torch.Tensor, num_train_timesteps: int, prefix: str) -> dict[str, float]:
