@@ -21,7 +21,10 @@ from distill.metrics.quality_cost import (
 
 
 class RandomFeatures(nn.Module):
-    """A fixed random conv net with a ``features`` method, standing in for the digit classifier."""
+    """A fixed random conv net with ``features`` and ``feature_dim`` (``PenultimateFeatures``), standing in for
+    the digit classifier."""
+
+    feature_dim = 12
 
     def __init__(self):
         super().__init__()
@@ -82,22 +85,54 @@ def test_fid_equals_torchmetrics_on_the_full_set(digits, tmp_path):
     assert fid(train) == pytest.approx(fid.from_features(fid.features(train)), rel=1e-12)
 
 
+def identity_fid(mu: torch.Tensor, sigma: torch.Tensor) -> FID:
+    """FID on raw (N, D) features against exact reference statistics N(mu, sigma)."""
+    dim = len(mu)
+    fid = FID(FeatureNet(nn.Flatten(), "identity", input_shape=(dim, 1, 1)), cache_dir=None)
+    fid.set_reference(torch.zeros(2, dim, 1, 1))
+    n = 10**9
+    fid.metric.real_features_num_samples.fill_(n)
+    fid.metric.real_features_sum.copy_(mu.double() * n)
+    fid.metric.real_features_cov_sum.copy_((sigma.double() + torch.outer(mu, mu).double()) * n)
+    return fid
+
+
 def test_fid_bootstrap_spread_matches_independent_sets():
     """The bootstrap std of one set's FID estimates the spread of FID over independent sets."""
     g = torch.Generator().manual_seed(0)
     dim, n = 4, 200
     scale = torch.tensor([1.0, 0.5, 2.0, 1.0])
-    fid = FID(FeatureNet(nn.Flatten(), "identity", input_shape=(dim, 1, 1)), cache_dir=None)
-    fid.set_reference(torch.zeros(2, dim, 1, 1))
-    # Exact reference statistics: N(0.3, I).
-    fid.metric.real_features_num_samples.fill_(10**9)
-    fid.metric.real_features_sum.copy_(torch.full((dim,), 0.3, dtype=torch.float64) * 10**9)
-    fid.metric.real_features_cov_sum.copy_((torch.eye(dim, dtype=torch.float64) + 0.09) * 10**9)
+    fid = identity_fid(torch.full((dim,), 0.3), torch.eye(dim))
     sets = [torch.randn(n, dim, generator=g) * scale for _ in range(300)]
     independent = torch.tensor([fid.from_features(x) for x in sets]).std().item()
     bootstrap = [fid.bootstrap_std(x, num_resamples=200, seed=1) for x in sets[:20]]
     assert fid.bootstrap_std(sets[0], 50, seed=3) == fid.bootstrap_std(sets[0], 50, seed=3)  # seeded
     assert 0.7 * independent < float(np.median(bootstrap)) < 1.3 * independent
+
+
+def test_fid_stratified_bootstrap_matches_independent_stratified_draws():
+    """Class clusters drawn a fixed number per class (the evaluator's protocol): the bootstrap resampled
+    within classes estimates the spread of FID over independent draws; resampling the pool, which also
+    varies the class mix, overstates it several times."""
+    g = torch.Generator().manual_seed(0)
+    classes, per_class, dim = 10, 20, 8
+    centres = 4.0 * torch.randn(classes, dim, generator=g)
+    mu, sigma = gaussian_statistics(centres)  # the mixture with equal weights and unit within-class covariance
+    # A reference the draws miss (shifted mean, wider spread), as a model misses the data.
+    fid = identity_fid(mu + 0.5, 1.5 * (sigma * (classes - 1) / classes + torch.eye(dim, dtype=torch.float64)))
+    labels = torch.arange(classes).repeat(per_class)
+
+    def draw() -> torch.Tensor:
+        return centres[labels] + torch.randn(len(labels), dim, generator=g)
+
+    independent = torch.tensor([fid.from_features(draw()) for _ in range(300)]).std().item()
+    sets = [draw() for _ in range(10)]
+    stratified = float(np.median([fid.bootstrap_std(x, 100, seed=1, strata=labels) for x in sets]))
+    pooled = float(np.median([fid.bootstrap_std(x, 100, seed=1) for x in sets]))
+    assert 0.6 * independent < stratified < 1.6 * independent
+    assert pooled > 3 * independent
+    with pytest.raises(ValueError, match="strata"):
+        fid.bootstrap_std(sets[0], 10, strata=labels[:5])
 
 
 def test_torchscript_feature_file(digits, tmp_path):
@@ -116,6 +151,31 @@ def test_torchscript_feature_file(digits, tmp_path):
     with torch.no_grad():
         expected = frechet_numpy(net(shifted).double().numpy(), net(heldout).double().numpy())
     assert fid(shifted) == pytest.approx(expected, rel=1e-5) and expected > 0.05
+
+
+class ConvTrunkNet(nn.Module):
+    """A VGG/DenseNet-like net: ``features`` is a conv trunk (4-D output), forward gives (N, D)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Conv2d(1, 4, 3, stride=2), nn.ReLU())
+        self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+    def forward(self, x):
+        return self.pool(self.features(x))
+
+
+def test_feature_net_uses_forward_of_nets_with_a_features_trunk_and_rejects_non_2d_output(digits):
+    """Only a classifier exposing ``features`` and ``feature_dim`` is measured through ``features``; a scripted
+    net whose ``features`` is a conv trunk goes through its forward; a net returning 4-D fails up front."""
+    net = torch.jit.script(ConvTrunkNet())
+    feature_net = FeatureNet(net, "trunk")
+    images = digits[1][:3]
+    assert feature_net.num_features == 4
+    assert torch.equal(feature_net(images), net(images))
+    with pytest.raises(ValueError, match=r"'trunk-only'.*\(1, 4, 15, 15\)"):
+        FeatureNet(torch.jit.script(ConvTrunkNet().features), "trunk-only")
 
 
 def test_fid_of_a_set_with_itself_is_zero_and_noise_increases_it(digits, tmp_path):

@@ -143,3 +143,26 @@ def test_quality_cost_callback_during_training(tiny_sd, tmp_path):
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("QualityCost"))
     assert len(state["teacher_rows"]) == 1
+
+
+def test_teacher_follows_the_trained_parameter_of_a_lora_like_student():
+    """A frozen float64 base weight before a trainable float32 adapter: the adapter's dtype is the student's."""
+    from distill.callbacks.quality_cost import trained_parameter
+
+    base, adapter = torch.nn.Linear(2, 2).double().requires_grad_(False), torch.nn.Linear(2, 2)
+    assert trained_parameter(torch.nn.Sequential(base, adapter)) is adapter.weight
+    frozen = torch.nn.Sequential(torch.nn.Linear(2, 2).double(), torch.nn.Linear(2, 2)).requires_grad_(False)
+    assert trained_parameter(frozen).dtype == torch.float64  # nothing trainable: the first parameter
+
+
+def test_fid_bootstrap_strata_are_labels_else_prompt_ids():
+    from distill.metrics.fid import PenultimateFeatures
+    from distill.metrics.quality_cost import draw_like, prompt_strata
+    from distill.models.classifier import DigitClassifier
+
+    assert prompt_strata(["a", "b"], torch.tensor([7, 3])).tolist() == [7, 3]
+    assert prompt_strata(["a", "b", "a", "c"], None).tolist() == [0, 1, 0, 2]
+    labels = torch.tensor([0, 1, 1, 2, 1, 0, 2, 2])
+    idx = draw_like(labels, torch.tensor([2, 1, 1, 0]), torch.Generator().manual_seed(0))
+    assert sorted(labels[idx].tolist()) == [0, 1, 1, 2] and len(set(idx.tolist())) == 4
+    assert isinstance(DigitClassifier(), PenultimateFeatures)  # the shipped classifier is measured by .features

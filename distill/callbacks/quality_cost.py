@@ -9,6 +9,13 @@ import lightning as L
 import torch
 
 
+def trained_parameter(module: torch.nn.Module) -> torch.nn.Parameter:
+    """The first floating-point parameter that requires grad (a LoRA adapter, not the frozen base weight
+    before it), else the first parameter: the device and dtype the module is trained in."""
+    parameters = list(module.parameters())
+    return next((p for p in parameters if p.requires_grad and p.is_floating_point()), parameters[0])
+
+
 class QualityCostCallback(L.Callback):
     """Every ``every_n_steps`` training steps and at the end of training.
 
@@ -67,15 +74,17 @@ class QualityCostCallback(L.Callback):
         from distill.metrics.quality_cost import PipelineSampler
         from distill.sample import load_pipeline
 
-        student = next(pl_module.student.parameters())
+        student = trained_parameter(pl_module.student)
         return PipelineSampler(load_pipeline(self.teacher).to(device=student.device, dtype=student.dtype))
 
     def _teacher_rows(self, pl_module) -> list[dict]:
+        """The teacher's rows, computed once (they are kept in the checkpoint); the teacher is released after."""
         if self.teacher is None or self.teacher_rows:
             return self.teacher_rows
         from distill.sample import pipeline_defaults
 
         sampler = self._teacher_sampler(pl_module)
+        device = sampler.unet.device
         guidance = self.teacher_guidance_scale
         if guidance is None:
             guidance = pipeline_defaults(self.teacher).get("guidance_scale", 1.0)
@@ -84,6 +93,9 @@ class QualityCostCallback(L.Callback):
                 row, images = self._evaluator.evaluate(sampler, "teacher", name, steps, guidance, self.measure_cost)
                 self.teacher_rows.append(row)
                 self._save_grid(self._trainer, images, f"teacher-{name}-{steps}.png")
+        del sampler
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         return self.teacher_rows
 
     def _save_grid(self, trainer, images: torch.Tensor, name: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -32,10 +33,29 @@ def frechet_distance(mu1: torch.Tensor, sigma1: torch.Tensor, mu2: torch.Tensor,
     return float((mu1 - mu2).square().sum() + sigma1.trace() + sigma2.trace() - 2 * root_trace)
 
 
+def resample_indices(strata: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Indices of one bootstrap resample drawn with replacement within each stratum of ``strata`` (N,), each
+    stratum keeping its size (stratified bootstrap, Efron & Tibshirani 1993, sec. 8.3)."""
+    groups = [torch.nonzero(strata == s).flatten() for s in strata.unique()]
+    return torch.cat([g[torch.randint(len(g), (len(g),), generator=generator)] for g in groups])
+
+
+@runtime_checkable
+class PenultimateFeatures(Protocol):
+    """A classifier that exposes the layer FID is measured in: ``features(images)`` -> (N, ``feature_dim``)."""
+
+    feature_dim: int
+
+    def features(self, images: torch.Tensor) -> torch.Tensor: ...
+
+
 class FeatureNet(nn.Module):
     """Adapts a network to torchmetrics: images (N, C, H, W) in [-1, 1] -> features (N, D).
 
-    ``input_shape`` (C, H, W) is that of the images measured; one forward pass on it gives ``num_features``.
+    A ``PenultimateFeatures`` classifier is measured through its ``features``; any other network (a
+    TorchScript file, a torchvision net whose ``.features`` is a conv trunk) through its forward, which must
+    return (N, D). ``input_shape`` (C, H, W) is that of the images measured; one forward pass on it checks the
+    output and gives ``num_features``.
     """
 
     def __init__(self, net: nn.Module, name: str, input_shape: tuple[int, int, int] = (1, 32, 32)):
@@ -45,10 +65,15 @@ class FeatureNet(nn.Module):
             p.requires_grad_(False)
         self.name = name
         with torch.no_grad():
-            self.num_features = int(self(torch.zeros(1, *input_shape)).shape[-1])
+            shape = tuple(self(torch.zeros(1, *input_shape)).shape)
+        if len(shape) != 2:
+            raise ValueError(f"fid feature network {name!r} maps images {(1, *input_shape)} to {shape}, not (N, D); "
+                             "give a network whose forward returns (N, D) features (e.g. end it with pooling and "
+                             "nn.Flatten)")
+        self.num_features = shape[1]
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        if hasattr(self.net, "features"):
+        if isinstance(self.net, PenultimateFeatures):
             return self.net.features(images.float())
         return self.net(images.float())
 
@@ -160,13 +185,22 @@ class FID:
         """FID of generated ``features`` (N, D) against the reference, in float64."""
         return frechet_distance(*self.reference_statistics(), *gaussian_statistics(features))
 
-    def bootstrap_std(self, features: torch.Tensor, num_resamples: int = 50, seed: int = 0) -> float:
+    def bootstrap_std(self, features: torch.Tensor, num_resamples: int = 50, seed: int = 0,
+                      strata: torch.Tensor | None = None) -> float:
         """Spread of the FID of ``features`` (N, D): the standard deviation over ``num_resamples`` resamples
-        of the N samples with replacement, the reference fixed (Efron & Tibshirani 1993, Alg. 6.1)."""
+        of the N samples with replacement, the reference fixed (Efron & Tibshirani 1993, Alg. 6.1).
+
+        ``strata`` (N,) gives each sample's stratum (its class label or prompt id) when the protocol draws a
+        fixed number per stratum: resampling within strata keeps that mix, as repeated draws do, whereas
+        pooled resampling (``strata=None``) would add the spread of the mix itself.
+        """
+        if strata is not None and strata.shape != (len(features),):
+            raise ValueError(f"bootstrap strata of shape {tuple(strata.shape)} for {len(features)} samples; "
+                             "pass one stratum id per sample, or strata=None to resample the pool")
         reference = self.reference_statistics()
         generator = torch.Generator().manual_seed(seed)
-        n = len(features)
-        values = [frechet_distance(*reference, *gaussian_statistics(features[torch.randint(n, (n,), generator=generator)]))
+        strata = torch.zeros(len(features), dtype=torch.long) if strata is None else strata.cpu()
+        values = [frechet_distance(*reference, *gaussian_statistics(features[resample_indices(strata, generator)]))
                   for _ in range(num_resamples)]
         return float(torch.tensor(values, dtype=torch.float64).std())
 

@@ -80,6 +80,15 @@ def digit_prompts(num_per_class: int) -> tuple[list[str], torch.Tensor]:
     return [caption_for(int(i)) for i in labels], labels
 
 
+def prompt_strata(captions: list[str], labels: torch.Tensor | None) -> torch.Tensor:
+    """Each sample's stratum for the FID bootstrap (N,): its label, else the index of its prompt among the
+    distinct prompts (the protocol draws a fixed number per prompt)."""
+    if labels is not None:
+        return labels
+    index: dict[str, int] = {}
+    return torch.tensor([index.setdefault(c, len(index)) for c in captions])
+
+
 def standard_error(values: torch.Tensor) -> float:
     """Standard error of the mean of ``values`` (N,): sample standard deviation / sqrt(N)."""
     return values.double().std().item() / math.sqrt(len(values))
@@ -94,7 +103,8 @@ class QualityCostEvaluator:
     """Fixed prompts and seeds; FID against a reference set; CLIP score; classifier prompt accuracy; cost.
 
     Every quality number comes with ``<name>_std``, the standard deviation of its estimate: for FID the
-    bootstrap over the generated samples (``fid_bootstrap`` resamples, the reference fixed), for the CLIP
+    bootstrap over the generated samples (``fid_bootstrap`` resamples within each prompt's samples, the
+    reference fixed), for the CLIP
     score and the prompt accuracy the standard error of their mean over the samples.
     """
 
@@ -106,6 +116,7 @@ class QualityCostEvaluator:
         self.fid, self.clip_model, self.clip_tokenizer, self.classifier = fid, clip_model, clip_tokenizer, classifier
         self.resolution, self.fid_bootstrap = resolution, fid_bootstrap
         self.captions, self.labels = digit_prompts(num_per_class)
+        self.strata = prompt_strata(self.captions, self.labels)
         self.seed, self.batch_size = seed, batch_size
         self.cost_batch_size, self.cost_repeats = cost_batch_size, cost_repeats
 
@@ -120,11 +131,13 @@ class QualityCostEvaluator:
         return torch.cat(images)
 
     @torch.no_grad()
-    def fid_with_spread(self, images: torch.Tensor) -> dict:
-        """``fid`` and its bootstrap ``fid_std`` of ``images``; the features are computed once."""
+    def fid_with_spread(self, images: torch.Tensor, strata: torch.Tensor | None = None) -> dict:
+        """``fid`` and its bootstrap ``fid_std`` of ``images``, resampled within ``strata`` (N,) (default: the
+        evaluator's prompts, for images generated from them); the features are computed once."""
         features = self.fid.features(images)
+        strata = self.strata if strata is None else strata
         return {"fid": self.fid.from_features(features),
-                "fid_std": self.fid.bootstrap_std(features, self.fid_bootstrap, self.seed)}
+                "fid_std": self.fid.bootstrap_std(features, self.fid_bootstrap, self.seed, strata)}
 
     @torch.no_grad()
     def quality(self, images: torch.Tensor) -> dict:
@@ -277,15 +290,23 @@ def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", fl
 
 
 def real_data_floor(evaluator: QualityCostEvaluator) -> dict:
-    """FID (and its bootstrap spread) of as many real training digits as the evaluator generates, against
-    the held-out reference: the best a model can hope for."""
+    """FID (and its bootstrap spread, resampled within labels) of real training digits against the held-out
+    reference, drawn as the evaluator prompts them (as many of each label): the best a model can hope for."""
     from distill.data import DigitsDataModule
 
     dm = DigitsDataModule(resolution=evaluator.resolution)
     dm.setup()
-    g = torch.Generator().manual_seed(0)
-    idx = torch.randperm(len(dm.train_set), generator=g)[:len(evaluator.captions)]
-    return evaluator.fid_with_spread(dm.train_set.images[idx])
+    labels = dm.train_set.labels
+    idx = draw_like(labels, evaluator.labels, torch.Generator().manual_seed(0))
+    return evaluator.fid_with_spread(dm.train_set.images[idx], labels[idx])
+
+
+def draw_like(labels: torch.Tensor, wanted: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Indices into ``labels`` (M,) of a random draw without replacement holding as many of each label as
+    ``wanted`` (N,) does."""
+    values, counts = wanted.unique(return_counts=True)
+    pools = [torch.nonzero(labels == v).flatten() for v in values]
+    return torch.cat([p[torch.randperm(len(p), generator=generator)[:int(n)]] for p, n in zip(pools, counts)])
 
 
 def heldout_reference(resolution: int = 32) -> tuple[torch.Tensor, str]:
