@@ -7,6 +7,7 @@ import torch
 from diffusers import DDPMPipeline, UNet2DModel
 
 from distill.callbacks.ema import EMA, ema_beta
+from distill.callbacks.resilience import NonFiniteGuard
 from tests.conftest import run_train
 
 
@@ -60,22 +61,64 @@ def test_ema_beta_formula():
     assert ema_beta(64, 6400, 640, 0.05) == pytest.approx(0.5 ** (64 / 32))
 
 
-def test_ema_update_moves_towards_weights():
-    class Module(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.student = torch.nn.Linear(1, 1, bias=False)
+class _Module(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.student = torch.nn.Linear(1, 1, bias=False)
 
-    module = Module()
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+
+class _Strategy:
+    @staticmethod
+    def reduce_boolean_decision(decision: bool, all: bool = True) -> bool:
+        return decision
+
+
+class _Trainer:
+    world_size, accumulate_grad_batches, num_training_batches, is_last_batch, global_step = 1, 1, 10, False, 0
+    strategy = _Strategy()
+
+
+def _ema_of_zero_student_now_one() -> tuple[EMA, _Module]:
+    """An EMA taken of a zero weight, the weight then set to 1 with a gradient (an optimizer step that ran)."""
+    module = _Module()
     torch.nn.init.constant_(module.student.weight, 0.0)
     ema = EMA(half_life_images=4, rampup_ratio=None)
     ema.on_fit_start(None, module)
     torch.nn.init.constant_(module.student.weight, 1.0)
+    module.student.weight.grad = torch.zeros(1, 1)
+    return ema, module
 
-    class Trainer:
-        world_size, accumulate_grad_batches = 1, 1
 
-    ema.on_train_batch_end(Trainer(), module, None, {"pixel_values": torch.zeros(4, 1)}, 0)
+def test_ema_update_moves_towards_weights():
+    ema, module = _ema_of_zero_student_now_one()
+    ema.on_train_batch_end(_Trainer(), module, None, {"pixel_values": torch.zeros(4, 1)}, 0)
     assert ema.ema.weight.item() == pytest.approx(0.5)  # one half-life of images
-    ema.on_train_batch_end(Trainer(), module, None, {"pixel_values": torch.zeros(4, 1)}, 1)
+    ema.on_train_batch_end(_Trainer(), module, None, {"pixel_values": torch.zeros(4, 1)}, 1)
     assert ema.ema.weight.item() == pytest.approx(0.75)
+
+
+def test_ema_skips_a_step_the_nonfinite_guard_skipped():
+    ema, module = _ema_of_zero_student_now_one()
+    guard, trainer, batch = NonFiniteGuard(), _Trainer(), {"pixel_values": torch.zeros(4, 1)}
+    guard.on_before_backward(trainer, module, torch.tensor(float("nan")))
+    guard.on_before_optimizer_step(trainer, module, torch.optim.SGD(module.parameters(), lr=1.0))
+    ema.on_train_batch_end(trainer, module, None, batch, 0)
+    assert guard.skipped == 1 and ema.ema.weight.item() == 0.0 and ema.seen_images == 0
+    module.student.weight.grad = torch.zeros(1, 1)  # the next step runs: one half-life of images, counted once
+    ema.on_train_batch_end(trainer, module, None, batch, 1)
+    assert ema.ema.weight.item() == pytest.approx(0.5) and ema.seen_images == 4
+
+
+def test_ema_resumed_mid_window_keeps_the_windows_images():
+    ema, module = _ema_of_zero_student_now_one()
+    trainer, batch = _Trainer(), {"pixel_values": torch.zeros(4, 1)}
+    trainer.accumulate_grad_batches = 2
+    ema.on_train_batch_end(trainer, module, None, batch, 0)  # the first half of a window; then checkpoint, resume
+    resumed, _ = _ema_of_zero_student_now_one()
+    resumed.load_state_dict(ema.state_dict())
+    resumed.on_train_batch_end(trainer, module, None, batch, 1)
+    assert resumed.seen_images == 8  # both micro-batches: 2 half-lives, beta = 0.25
+    assert resumed.ema.weight.item() == pytest.approx(0.75)

@@ -24,10 +24,17 @@ def closes_optimizer_step(trainer, batch_idx: int) -> bool:
     return batch_idx + 1 == trainer.num_training_batches or trainer.is_last_batch
 
 
+def has_gradients(module: torch.nn.Module) -> bool:
+    """Whether the optimizer step that just ran moved ``module``: the non-finite guard skips a step by dropping
+    every gradient, and Lightning zeroes gradients only before the next backward."""
+    return any(p.grad is not None for p in module.parameters())
+
+
 class EMA(L.Callback):
     """Keeps ``ema`` = EMA of ``pl_module.<attr>``, updated once per optimizer step with the images that step
-    used (all micro-batches of an accumulation window, on every rank); validation and export use the EMA weights.
-    Lightning runs ModelCheckpoint after the other callbacks, so a checkpoint holds the EMA of its own step."""
+    used (all micro-batches of an accumulation window, on every rank); a step the non-finite guard skipped moves
+    neither the EMA nor its image count. Validation and export use the EMA weights. Lightning runs ModelCheckpoint
+    after the other callbacks, so a checkpoint holds the EMA of its own step."""
 
     def __init__(self, half_life_images: float = 20000, rampup_ratio: float | None = 0.05, attr: str = "student"):
         self.half_life_images, self.rampup_ratio, self.attr = half_life_images, rampup_ratio, attr
@@ -49,9 +56,12 @@ class EMA(L.Callback):
         if not closes_optimizer_step(trainer, batch_idx):
             return
         batch_images, self._window_images = self._window_images, 0
+        module = getattr(pl_module, self.attr)
+        if not has_gradients(module):
+            return
         self.seen_images += batch_images
         beta = ema_beta(batch_images, self.half_life_images, self.seen_images, self.rampup_ratio)
-        live = getattr(pl_module, self.attr).state_dict()
+        live = module.state_dict()
         for name, value in self.ema.state_dict().items():
             if value.dtype.is_floating_point:
                 value.lerp_(live[name].to(value.dtype), 1.0 - beta)
@@ -86,10 +96,12 @@ class EMA(L.Callback):
             getattr(pl_module, self.attr).load_state_dict(self.ema.state_dict())
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema.state_dict() if self.ema is not None else None, "seen_images": self.seen_images}
+        return {"ema": self.ema.state_dict() if self.ema is not None else None, "seen_images": self.seen_images,
+                "window_images": self._window_images}
 
     def load_state_dict(self, state: dict) -> None:
         self.seen_images = state["seen_images"]
+        self._window_images = state.get("window_images", 0)  # checkpoints from before it was stored
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])
         else:
