@@ -5,7 +5,7 @@
 
 Protocol: ``num_per_class`` prompts "a handwritten digit <word>" per digit with fixed seeds; FID against
 the digits' held-out split in the shipped classifier's feature space; the real-data floor is
-FID(training digits, held-out) for the same number of images.
+FID(training digits, held-out) with the same number of images of each digit as the prompts ask.
 """
 
 from __future__ import annotations
