@@ -237,3 +237,33 @@ def test_sample_command_reads_the_intended_call(tiny_sd, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "20 images, 3 steps, guidance 2.0" in proc.stdout
     assert Image.open(grid).size[1] > Image.open(grid).size[0]  # 10 class rows, 2 seed columns
+
+
+def test_model_card_snippet_loads_every_component_in_a_fresh_process(tiny_sd, tmp_path):
+    """The card's two lines are all a new process needs, for distill's own scheduler and MoE UNet classes."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    folders = [build(tiny_sd).eval().export(tmp_path / build.__name__)
+               for build in (progressive_fixed, consistency_moe_token, progressive_moe_timestep)]
+    script = "\n".join([
+        "import sys, torch",
+        "import distill.inference.pipelines",
+        "from diffusers import DiffusionPipeline",
+        "for folder in sys.argv[1:]:",
+        "    pipe = DiffusionPipeline.from_pretrained(folder)",
+        "    pipe.set_progress_bar_config(disable=True)",
+        "    image = pipe('a test prompt', generator=torch.Generator().manual_seed(0), output_type='np').images",
+        "    print(type(pipe).__name__, type(pipe.scheduler).__name__, type(pipe.unet).__name__, image.shape)",
+    ])
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, folders)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert [line.split()[:3] for line in lines] == [
+        ["DistillTextToImagePipeline", "GridDDIMScheduler", "UNet2DConditionModel"],
+        ["DistillTextToImagePipeline", "LCMScheduler", "TokenMoEUNet"],
+        ["DistillTextToImagePipeline", "GridDDIMScheduler", "TimestepMoEUNet"],
+    ]
