@@ -85,3 +85,16 @@ def test_grid_ddim_config_round_trips(tmp_path):
     assert back.timesteps.tolist() == [499, 332, 165] and back.previous_timestep(165) == 500
     with pytest.raises(ValueError, match="not on the 3-step grid"):
         back.previous_timestep(166)
+
+
+def test_grid_scheduler_keeps_a_zero_snr_teacher_schedule():
+    """A teacher trained with rescaled zero-terminal-SNR betas (Lin et al. 2024) keeps that schedule."""
+    from diffusers import DDIMScheduler
+
+    from distill.inference.schedulers import GridDDIMScheduler
+
+    teacher = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                            rescale_betas_zero_snr=True)
+    grid = GridDDIMScheduler.from_config(teacher.config)
+    assert float(teacher.alphas_cumprod[-1]) < 1e-6
+    torch.testing.assert_close(grid.alphas_cumprod, teacher.alphas_cumprod.float())

@@ -57,9 +57,10 @@ class GridDDIMScheduler(SchedulerMixin, ConfigMixin):
     @register_to_config
     def __init__(self, num_train_timesteps: int = 1000, beta_start: float = 0.0001, beta_end: float = 0.02,
                  beta_schedule: str = "linear", trained_betas: list[float] | None = None,
-                 prediction_type: str = "epsilon"):
+                 prediction_type: str = "epsilon", rescale_betas_zero_snr: bool = False):
         schedule = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_start=beta_start, beta_end=beta_end,
-                                 beta_schedule=beta_schedule, trained_betas=trained_betas)
+                                 beta_schedule=beta_schedule, trained_betas=trained_betas,
+                                 rescale_betas_zero_snr=rescale_betas_zero_snr)
         self.alphas_cumprod = schedule.alphas_cumprod.float()
         # index T holds abar = 1: the clean sample, where the last step lands
         self._abar = torch.cat([self.alphas_cumprod, torch.ones(1)])
