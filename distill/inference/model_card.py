@@ -54,6 +54,19 @@ def _example(info: dict) -> str:
     return "" if info.get("conditioning") == "class" else '"<prompt>"'
 
 
+def _stock_note(info: dict) -> str:
+    """How to call the folder through diffusers' stock class, which ignores the registered defaults."""
+    if info.get("conditioning") == "class":
+        return ""
+    call = info["sampling"]
+    guidance = 1.0 if info.get("guidance_distilled") else call["guidance_scale"]
+    why = (" (the guidance is distilled: a larger value would add a CFG pass on top of it)"
+           if info.get("guidance_distilled") else "")
+    return (f"\nWith diffusers' stock `StableDiffusionPipeline` (still after the import above, for distill's "
+            f"component classes), pass the call explicitly: `num_inference_steps={call['num_inference_steps']}, "
+            f"guidance_scale={guidance}`{why}; its own defaults (50 steps, guidance 7.5) are not this model's.\n")
+
+
 def model_card(info: dict) -> str:
     """A Hugging Face model card: the intended call, loading, how guidance was distilled, measured rows."""
     from distill.metrics.quality_cost import format_table
@@ -93,6 +106,7 @@ image = pipe({_example(info)}).images[0]
 ```
 
 `distill.sample` and `distill.evaluate` read the same defaults from `distill.json`.
+{_stock_note(info)}
 
 ## Quality and cost (measured during training)
 
