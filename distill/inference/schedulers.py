@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import diffusers
@@ -11,6 +12,7 @@ from diffusers import ConfigMixin, DDPMScheduler, SchedulerMixin
 from diffusers.configuration_utils import register_to_config
 from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
 from diffusers.schedulers.scheduling_utils import KarrasDiffusionSchedulers
+from omegaconf import OmegaConf
 
 from distill.diffusion import add_noise, alpha_sigma, to_x0_eps
 from distill.diffusion.consistency import ddim_step
@@ -106,3 +108,13 @@ class GridDDIMScheduler(SchedulerMixin, ConfigMixin):
     def add_noise(self, original_samples: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         alpha, sigma = alpha_sigma(self._abar, timesteps.cpu(), original_samples.ndim)
         return add_noise(original_samples, noise, alpha.to(original_samples), sigma.to(original_samples))
+
+
+SCHEDULER_CONF = Path(__file__).resolve().parents[1] / "conf" / "scheduler"
+
+
+def scheduler_options(name: str) -> dict:
+    """The ``options`` of the package's ``conf/scheduler/<name>.yaml`` (e.g. DDIM's trailing spacing); none
+    for a scheduler without one (``make_scheduler`` rejects unknown names)."""
+    path = SCHEDULER_CONF / f"{name}.yaml"
+    return dict(OmegaConf.to_container(OmegaConf.load(path)).get("options") or {}) if path.is_file() else {}

@@ -190,14 +190,14 @@ class LatentConsistencyDistillation(DistillMethod):
     def pipeline(self, scheduler: str | None = None):
         """The student as an in-memory distill text-to-image pipeline whose call defaults are the export's
         (``call_defaults``), with an LCM scheduler by default on the solver grid the student was trained on."""
-        from distill.inference.schedulers import make_scheduler
+        from distill.inference.schedulers import make_scheduler, scheduler_options
 
         name = scheduler or self.sampling["name"]
-        options = {}
+        options = {} if name == self.sampling["name"] else scheduler_options(name)  # as the teacher's rows get
         if name in ("lcm", "tcd"):  # their inference timesteps are taken from a grid of original_inference_steps
             if self.sigma_data != 0.5:
                 raise ValueError(f"method.sigma_data={self.sigma_data}: diffusers' {name} scheduler fixes sigma_data=0.5")
-            options = {"timestep_scaling": self.timestep_scaling, "original_inference_steps": self.num_ddim_timesteps}
+            options.update(timestep_scaling=self.timestep_scaling, original_inference_steps=self.num_ddim_timesteps)
         if name == self.sampling["name"]:
             options.update(self.sampling.get("options") or {})
         scheduler = make_scheduler(name, self.noise_scheduler_config, **options)

@@ -17,7 +17,7 @@ from distill.diffusion import (
     snr,
     snr_weight,
 )
-from distill.inference.schedulers import make_scheduler
+from distill.inference.schedulers import make_scheduler, scheduler_options
 from distill.methods.base import (
     DistillMethod,
     encode_latents,
@@ -116,9 +116,10 @@ class DiffusionTraining(DistillMethod):
         return loss
 
     def sampling_scheduler(self, name: str | None = None):
-        """The configured sampling scheduler, or another one by ``name`` (with its default options)."""
+        """The configured sampling scheduler, or another one by ``name`` with the options of its
+        ``conf/scheduler/<name>.yaml`` (as every sweep row gets them)."""
         if name is not None and name != self.sampling["name"]:
-            return make_scheduler(name, self.noise_scheduler.config)
+            return make_scheduler(name, self.noise_scheduler.config, **scheduler_options(name))
         options = dict(self.sampling.get("options") or {})
         return make_scheduler(self.sampling["name"], self.noise_scheduler.config, **options)
 

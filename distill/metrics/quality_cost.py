@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from omegaconf import OmegaConf
 
 from distill.data.digits import caption_for
+from distill.inference.schedulers import scheduler_options
 from distill.metrics.cost import NFECounter, measure_cost
 
 
@@ -23,16 +23,6 @@ class Sampler(Protocol):
 
     def __call__(self, captions: list[str], labels: torch.Tensor, scheduler: str, steps: int,
                  guidance_scale: float | None, generator: torch.Generator) -> torch.Tensor: ...
-
-
-SCHEDULER_CONF = Path(__file__).resolve().parents[1] / "conf" / "scheduler"
-
-
-def scheduler_options(name: str) -> dict:
-    """The ``options`` of the package's ``conf/scheduler/<name>.yaml`` (e.g. DDIM's trailing spacing); none
-    for a scheduler without one (``make_scheduler`` rejects unknown names)."""
-    path = SCHEDULER_CONF / f"{name}.yaml"
-    return dict(OmegaConf.to_container(OmegaConf.load(path)).get("options") or {}) if path.is_file() else {}
 
 
 class PipelineSampler:
