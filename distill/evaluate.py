@@ -62,8 +62,8 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     evaluator, floor, key = build_evaluator(cfg.feature, cfg.clip, cfg.classifier, cfg.num_per_class, cfg.seed,
                                             cfg.resolution, cfg.cost_repeats, cfg.fid_bootstrap)
     # The scheduler group's options (with any overrides) for its own scheduler; every other one of the
-    # sweep takes those of its conf/scheduler/<name>.yaml.
-    sampler = PipelineSampler(pipe, {cfg.scheduler.name: dict(cfg.scheduler.options)})
+    # sweep takes those of its conf/scheduler/<name>.yaml; an export's own scheduler keeps its class and config.
+    sampler = PipelineSampler(pipe, {cfg.scheduler.name: dict(cfg.scheduler.options)}, own=defaults.get("name"))
     rows = []
     for name in names:
         for steps in nfe:

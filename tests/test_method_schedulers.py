@@ -31,3 +31,25 @@ def test_other_schedulers_of_a_method_take_their_conf_options(tmp_path):
     diffusion = DiffusionTraining(build_class_unet(8, 1, size="debug"), noise, ClassConditioner(10), torch.optim.AdamW,
                                   sampling={"name": "ddpm", "num_inference_steps": 4, "guidance_scale": 1.0})
     assert _leading(diffusion.sampling_scheduler("ddim")) == [999, 749, 499, 249]
+
+
+def test_an_exports_own_scheduler_is_kept_by_sweeps(tmp_path):
+    """distill.evaluate on a progressive export: "ddim" keeps its GridDDIMScheduler (training grid)."""
+    from distill.inference.schedulers import GridDDIMScheduler
+    from distill.metrics.quality_cost import MethodSampler, PipelineSampler
+    from distill.methods.progressive import ProgressiveDistillation
+
+    teacher = load_teacher(str(write_tiny_sd(tmp_path / "pipe")))
+    method = ProgressiveDistillation(teacher, lambda u: copy_student(u), torch.optim.AdamW, start_steps=64,
+                                     final_steps=16)
+    pipe = method.pipeline()
+    assert isinstance(PipelineSampler(pipe, own="ddim").scheduler("ddim"), GridDDIMScheduler)
+    off_grid = PipelineSampler(pipe).scheduler("ddim")  # what a sweep used to build: diffusers' DDIM
+    off_grid.set_timesteps(32)
+    ours = PipelineSampler(pipe, own="ddim").scheduler("ddim")
+    ours.set_timesteps(32)
+    assert off_grid.timesteps.tolist() != ours.timesteps.tolist()
+
+    lora_like = LatentConsistencyDistillation(teacher, lambda u: u, torch.optim.AdamW, ema_decay=0.0)
+    assert lora_like.sampling["guidance_scale"] == 3.0
+    assert MethodSampler(lora_like).default_guidance_scale == 1.0  # a student without a w input distilled it

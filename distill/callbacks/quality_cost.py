@@ -72,10 +72,11 @@ class QualityCostCallback(L.Callback):
     def _teacher_sampler(self, pl_module):
         """The teacher pipeline on the device and in the dtype of ``pl_module``'s student."""
         from distill.metrics.quality_cost import PipelineSampler
-        from distill.sample import load_pipeline
+        from distill.sample import load_pipeline, pipeline_defaults
 
         student = trained_parameter(pl_module.student)
-        return PipelineSampler(load_pipeline(self.teacher).to(device=student.device, dtype=student.dtype))
+        return PipelineSampler(load_pipeline(self.teacher).to(device=student.device, dtype=student.dtype),
+                               own=pipeline_defaults(self.teacher).get("name"))
 
     def _teacher_rows(self, pl_module) -> list[dict]:
         """The teacher's rows, computed once (they are kept in the checkpoint); the teacher is released after."""

@@ -28,11 +28,14 @@ class Sampler(Protocol):
 class PipelineSampler:
     """A diffusers text-to-image pipeline (StableDiffusionPipeline layout). Each scheduler of a sweep is
     built from the pipeline's own scheduler config with that scheduler's options: ``options[name]``, else
-    those of the package's ``conf/scheduler/<name>.yaml``."""
+    those of the package's ``conf/scheduler/<name>.yaml``. ``own`` names the scheduler the pipeline was
+    exported with (its ``distill.json``): that name keeps the pipeline's own scheduler class and config, e.g.
+    a progressive student's ``GridDDIMScheduler`` for "ddim" (diffusers' DDIM would leave its training grid)."""
 
-    def __init__(self, pipe, options: dict[str, dict] | None = None):
+    def __init__(self, pipe, options: dict[str, dict] | None = None, own: str | None = None):
         self.pipe, self.unet = pipe, pipe.unet
         self.base_config = pipe.scheduler.config
+        self.own_class, self.own = type(pipe.scheduler), own
         self.options = dict(options or {})
         pipe.set_progress_bar_config(disable=True)
         self.size = pipe.unet.config.sample_size * pipe.vae_scale_factor
@@ -40,6 +43,8 @@ class PipelineSampler:
     def scheduler(self, name: str):
         from distill.inference.schedulers import make_scheduler
 
+        if name == self.own:
+            return self.own_class.from_config(self.base_config)
         options = self.options[name] if name in self.options else scheduler_options(name)
         return make_scheduler(name, self.base_config, **options)
 
@@ -56,7 +61,9 @@ class MethodSampler:
 
     def __init__(self, method):
         self.method, self.unet = method, method.student
-        self.default_guidance_scale = method.sampling.get("guidance_scale")
+        # the guidance the student's intended call really uses (1 for a LoRA student that distilled it)
+        defaults = method.call_defaults() if hasattr(method, "call_defaults") else {}
+        self.default_guidance_scale = defaults.get("default_guidance_scale", method.sampling.get("guidance_scale"))
 
     @torch.no_grad()
     def __call__(self, captions, labels, scheduler, steps, guidance_scale, generator):
