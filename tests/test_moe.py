@@ -389,3 +389,16 @@ def test_gradient_checkpointing_changes_no_gradient(teacher, build):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6)
+
+
+def test_router_runs_in_float32_under_bfloat16_autocast():
+    """Switch Transformer's selective precision (sec. 2.4): the router's input and matmul are float32."""
+    layer = MoEFeedForward(torch.nn.Linear(8, 8), dim=8, num_experts=4, top_k=1)
+    x = torch.randn(16, 8)
+    expected = (x.double() @ layer.router.weight.double().T).softmax(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, probs, *_ = layer.route(x.bfloat16())
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(probs.double(), expected, atol=1e-2, rtol=0)  # bf16 input rounding only
+    exact = torch.nn.functional.linear(x.bfloat16().float(), layer.router.weight)
+    torch.testing.assert_close(logits, exact, atol=1e-6, rtol=1e-6)

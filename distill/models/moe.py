@@ -262,8 +262,9 @@ class MoEFeedForward(nn.Module):
 
     def route(self, x: torch.Tensor):
         """Router logits, probabilities, chosen experts and gates (T, k), and which choices fit (T, k)."""
-        logits = self.router(x)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half routes in float32 (Switch)
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):  # the router in float32 under mixed precision (Switch §2.4)
+            logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
         probs = logits.softmax(-1)
         top, chosen = probs.topk(self.top_k, dim=-1)
         gates = self.gates(top)
