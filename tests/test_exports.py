@@ -123,14 +123,22 @@ def _load(folder):
     return pipe
 
 
+# What each builder above configured, written out independently of the export code: (steps, guidance,
+# UNet evaluations per step). Progressive exports take the current round's step count (start / 2), or the
+# start count during the guided stage; a LoRA student distilled the guidance (no w input): guidance 1.
+INTENDED = {"diffusion_class": (3, 2.0, 2), "diffusion_text": (3, 2.0, 2), "consistency_copy": (4, 3.0, 1),
+            "consistency_lora": (4, 1.0, 1), "consistency_moe_token": (2, 3.0, 1), "progressive_fixed": (4, 1.0, 1),
+            "progressive_w": (8, 3.0, 1), "progressive_moe_timestep": (8, 1.0, 1)}
+
+
 def test_default_call_runs_the_intended_steps_with_one_evaluation_each(exported):
     method, out, info = exported
     pipe = _load(out)
     g = torch.Generator().manual_seed(0)
     with NFECounter(pipe.unet) as counter:
         images = (pipe(generator=g) if info.get("conditioning") == "class" else pipe(CAPTIONS[0], generator=g)).images
-    steps = info["sampling"]["num_inference_steps"]
-    nfe = 2 if info["method"] == "diffusion" else 1  # a CFG pass only where guidance was not distilled
+    steps, guidance, nfe = INTENDED[out.name]
+    assert info["sampling"]["num_inference_steps"] == steps and info["sampling"]["guidance_scale"] == guidance
     assert len(images) == 1
     assert counter.calls == steps  # one UNet forward a step, at the intended count
     assert counter.examples == steps * nfe
