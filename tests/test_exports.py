@@ -275,3 +275,17 @@ def test_model_card_snippet_loads_every_component_in_a_fresh_process(tiny_sd, tm
         ["DistillTextToImagePipeline", "LCMScheduler", "TokenMoEUNet"],
         ["DistillTextToImagePipeline", "GridDDIMScheduler", "TimestepMoEUNet"],
     ]
+
+
+def test_class_pipeline_with_a_stochastic_scheduler_repeats_under_a_seed(tiny_sd, tmp_path):
+    """The generator reaches the scheduler's step: DDPM's per-step noise repeats with the seed."""
+    from diffusers import DDPMScheduler as Stochastic
+
+    pipe = _load(diffusion_class(tiny_sd).eval().export(tmp_path / "class"))
+    pipe.scheduler = Stochastic.from_config(pipe.scheduler.config)
+    torch.manual_seed(1)
+    a = pipe([3], generator=torch.Generator().manual_seed(0), output_type="pt").images
+    torch.manual_seed(2)  # the global RNG must not matter
+    b = pipe([3], generator=torch.Generator().manual_seed(0), output_type="pt").images
+    c = pipe([3], generator=torch.Generator().manual_seed(1), output_type="pt").images
+    assert torch.equal(a, b) and not torch.equal(a, c)

@@ -124,7 +124,7 @@ class DistillClassPipeline(DiffusionPipeline):
         null = torch.full_like(labels, self.num_classes)
         x0 = sample(self._denoise, self.scheduler, noise, {"class_labels": labels}, {"class_labels": null},
                     self.config.default_guidance_scale if guidance_scale is None else guidance_scale,
-                    num_inference_steps or self.config.default_num_inference_steps)
+                    num_inference_steps or self.config.default_num_inference_steps, generator)
         if self.vae is not None:
             x0 = self.vae.decode(x0 / self.vae.config.scaling_factor).sample
         images = self.image_processor.postprocess(x0, output_type=output_type)

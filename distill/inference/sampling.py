@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -18,6 +19,7 @@ def sample(
     uncond: dict | None = None,
     guidance_scale: float = 1.0,
     num_inference_steps: int = 50,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Integrate from ``noise`` (N, C, H, W) to x0 with ``scheduler``; returns (N, C, H, W).
 
@@ -26,6 +28,8 @@ def sample(
     out = out_uncond + w * (out_cond - out_uncond).
     """
     scheduler.set_timesteps(num_inference_steps, device=noise.device)
+    # stochastic schedulers (DDPM, multistep LCM, TCD) draw their noise from ``generator``, so a seeded call repeats
+    step_kwargs = {"generator": generator} if "generator" in inspect.signature(scheduler.step).parameters else {}
     x = noise * scheduler.init_noise_sigma
     guided = uncond is not None and guidance_scale != 1.0
     both = concat_conditions(cond, uncond) if guided else cond
@@ -36,5 +40,5 @@ def sample(
             out = out_u + guidance_scale * (out_c - out_u)
         else:
             out = model(x_in, t, **both)
-        x = scheduler.step(out, t, x).prev_sample
+        x = scheduler.step(out, t, x, **step_kwargs).prev_sample
     return x
