@@ -29,11 +29,14 @@ install-dev: $(VENV)/.installed-dev
 demo: install
 	$(PY) -m distill.train +exp=$(or $(EXP),consistency)
 
+# One pytest worker per core, at most 4 (TEST_WORKERS=0 runs in-process); a test file stays on one worker so that its
+# module fixtures (straight reference runs) are built once.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test: install-dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 test-all: install-dev
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q -m "" -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 # Retrain every shipped digits asset (classifier, VAE, CLIP, teacher) and copy it into the package.
 assets: install

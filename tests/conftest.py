@@ -12,7 +12,13 @@ CONF = ROOT / "conf"
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # Parallel workers share the cores: each worker and the trainings it launches take their share, not all.
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def run_train(*overrides: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):

@@ -7,6 +7,8 @@ import copy
 import lightning as L
 import torch
 
+from distill.utils.optim import has_gradients
+
 
 def ema_beta(batch_images: int, half_life_images: float, seen_images: int, rampup_ratio: float | None) -> float:
     """beta = 0.5 ** (batch / half_life); with ramp-up the half-life is at most rampup_ratio * seen images."""
@@ -22,12 +24,6 @@ def closes_optimizer_step(trainer, batch_idx: int) -> bool:
     if not (batch_idx + 1) % trainer.accumulate_grad_batches:
         return True
     return batch_idx + 1 == trainer.num_training_batches or trainer.is_last_batch
-
-
-def has_gradients(module: torch.nn.Module) -> bool:
-    """Whether the optimizer step that just ran moved ``module``: the non-finite guard skips a step by dropping
-    every gradient, and Lightning zeroes gradients only before the next backward."""
-    return any(p.grad is not None for p in module.parameters())
 
 
 class EMA(L.Callback):

@@ -29,6 +29,7 @@ from distill.models.conditioning import TextConditioner
 from distill.models.moe import no_routing_record
 from distill.models.students import make_student
 from distill.models.teacher import Teacher
+from distill.utils.optim import has_gradients
 
 FROZEN_PREFIXES = ("teacher_unet.", "vae.", "conditioner.text_encoder.")
 
@@ -172,7 +173,7 @@ class LatentConsistencyDistillation(DistillMethod):
         its own step. A step skipped by the non-finite guard (every gradient dropped, the student unchanged)
         leaves the target unchanged too."""
         super().optimizer_step(*args, **kwargs)
-        if self.target is not None and any(p.grad is not None for p in self.student.parameters()):
+        if self.target is not None and has_gradients(self.student):
             self._update_target()
 
     @torch.no_grad()
