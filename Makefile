@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv install install-dev demo test test-all lint assets clean
+.PHONY: venv install install-dev demo test test-all lint assets constraints clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -13,13 +13,14 @@ $(VENV)/.created:
 
 # torch is installed first and pinned so that pip takes the local CPU wheel
 # instead of resolving a multi-GB CUDA build.
-$(VENV)/.installed: $(VENV)/.created pyproject.toml
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e .
+# constraints.txt pins every package to the version CI tests (`make constraints` rewrites it from the venv).
+$(VENV)/.installed: $(VENV)/.created pyproject.toml constraints.txt
+	$(PY) -m pip install -q -c constraints.txt torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -c constraints.txt -e .
 	@touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	@touch $@
 
 venv: $(VENV)/.created
@@ -41,6 +42,11 @@ test-all: install-dev
 # Retrain every shipped digits asset (classifier, VAE, CLIP, teacher) and copy it into the package.
 assets: install
 	$(PY) -m distill.assets.build
+
+# Pin what the venv holds now (local version tags such as +cpu dropped, so that a CUDA torch of the same
+# version satisfies the pin too).
+constraints: install-dev
+	$(PY) -m pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' | grep -v '^distill' > constraints.txt
 
 lint: install-dev
 	$(VENV)/bin/ruff check distill tests

@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 run=outputs/consistency_demo
-$PY -m distill.train +exp=consistency hydra.run.dir=$run logger=[csv,tensorboard]
+$PY -m distill.train +exp=consistency hydra.run.dir=$run logger=csv
 cp $run/plots/pareto_step_0001000.png docs/consistency_pareto.png
 cp $run/samples/student-lcm-1_step_0001000.png docs/consistency_lcm1.png
 cp $run/samples/student-lcm-4_step_0001000.png docs/consistency_lcm4.png

@@ -58,3 +58,25 @@ def test_data_folder_without_usable_images_fails_before_training(tmp_path, conte
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert ("a.png" if content == "broken" else "holds no readable image") in proc.stderr
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(
+    "node, package, extra",
+    [
+        ({"logger": {"tensorboard": {"_target_": "lightning.pytorch.loggers.TensorBoardLogger"}}}, "tensorboard", "tensorboard"),
+        ({"data": {"_target_": "distill.data.WebDatasetDataModule"}}, "webdataset", "webdataset"),
+    ],
+)
+def test_an_option_whose_optional_extra_is_missing_names_the_extra(monkeypatch, node, package, extra):
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    from distill.config.validate import ConfigError, _check_extras
+
+    cfg = OmegaConf.create({"data": None, "logger": None, **node})
+    _check_extras(cfg)  # installed here: passes
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith(package) else real(name, *a))
+    with pytest.raises(ConfigError, match=rf"pip install 'distill\[{extra}\]'"):
+        _check_extras(cfg)

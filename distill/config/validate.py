@@ -131,6 +131,30 @@ def _check_consistency_sampling(cfg: DictConfig) -> None:
         )
 
 
+# Packages of the optional extras (pyproject.toml), by the _target_ that needs them.
+OPTIONAL_PACKAGES = {
+    "lightning.pytorch.loggers.TensorBoardLogger": (("tensorboard", "tensorboardX"), "tensorboard"),
+    "distill.data.WebDatasetDataModule": (("webdataset",), "webdataset"),
+}
+
+
+def _check_extras(cfg: DictConfig) -> None:
+    """A chosen option whose package is an optional extra that is not installed fails here, not mid-run."""
+    from importlib.util import find_spec
+
+    nodes = [("data", cfg.get("data"))]
+    nodes += [(f"logger.{name}", node) for name, node in (cfg.get("logger") or {}).items()]
+    for key, node in nodes:
+        target = node.get("_target_") if node is not None else None
+        if target in OPTIONAL_PACKAGES:
+            packages, extra = OPTIONAL_PACKAGES[target]
+            if not any(find_spec(package) for package in packages):
+                raise ConfigError(
+                    f"{key} ({target}) needs the {packages[0]!r} package, which is not installed; "
+                    f"pip install 'distill[{extra}]' or choose another option"
+                )
+
+
 def validate(cfg: DictConfig) -> None:
     missing = missing_keys(cfg)
     if missing:
@@ -190,6 +214,7 @@ def validate(cfg: DictConfig) -> None:
                     f"{group}.{name} has settings but no _target_: the chosen {group} option does not include "
                     f"{name!r}; add it to the list ({group}=[...,{name}]) or drop it with {group}.{name}=null"
                 )
+    _check_extras(cfg)
     if cfg.ckpt_path not in (None, "last"):
         from pathlib import Path
 
