@@ -80,3 +80,18 @@ def test_an_option_whose_optional_extra_is_missing_names_the_extra(monkeypatch, 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith(package) else real(name, *a))
     with pytest.raises(ConfigError, match=rf"pip install 'distill\[{extra}\]'"):
         _check_extras(cfg)
+
+
+@pytest.mark.parametrize("script, needle", [("distill-train", "exp_name: debug"), ("distill-evaluate", "pipeline:"),
+                                            ("distill-sample", "pipeline:")])
+def test_console_scripts_find_their_configs_from_any_directory(tmp_path, script, needle):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / script
+    assert exe.is_file(), f"{exe} missing: install the package (pip install -e .)"
+    args = ["--cfg", "job"] + (["+exp=debug"] if script == "distill-train" else [])
+    proc = subprocess.run([str(exe), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert needle in proc.stdout

@@ -1,0 +1,1 @@
+"""Hydra configs, a package so that the console scripts (distill-train, ...) find them by module."""
