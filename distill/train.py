@@ -52,7 +52,7 @@ def _resume_checkpoint(cfg: DictConfig, run_dir: Path) -> tuple[str | None, dict
     if cfg.ckpt_path is None:
         return None, None
     if cfg.ckpt_path == "last":
-        path, checkpoint = resolve_resume(Path(cfg.checkpoint.dirpath))
+        path, checkpoint = resolve_resume(str(cfg.checkpoint.dirpath))
         if path is None:
             log.info("ckpt_path=last: no checkpoint in %s yet; starting from scratch", cfg.checkpoint.dirpath)
             return None, None
@@ -86,7 +86,7 @@ def _instantiate_all(cfg: DictConfig):
     from hydra.utils import instantiate
 
     from distill.callbacks.resilience import NonFiniteGuard, Preemption, RNGState, RunIdentity
-    from distill.utils.checkpoint import AtomicCheckpointIO
+    from distill.utils.checkpoint import AtomicCheckpointIO, local_path
 
     datamodule = instantiate(cfg.data)
     student = instantiate(cfg.student)
@@ -96,7 +96,10 @@ def _instantiate_all(cfg: DictConfig):
     # objects are passed after instantiation: Hydra would turn a dataclass argument into a config node
     method = instantiate(cfg.method, _partial_=True, _convert_="all")(**extra)
     callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
-    callbacks.append(instantiate(cfg.checkpoint))
+    # Lightning takes a file:// dirpath for a relative path (it realpath()s the URL), so a local URL goes in
+    # as a plain path; any other fsspec URL (s3://, gs://, memory://) goes through as given.
+    local = local_path(cfg.checkpoint.dirpath)
+    callbacks.append(instantiate(cfg.checkpoint, dirpath=str(local) if local is not None else cfg.checkpoint.dirpath))
     res = cfg.resilience
     callbacks += [RNGState(), RunIdentity(), Preemption(tuple(res.preemption_signals)),
                   NonFiniteGuard(res.max_consecutive_nonfinite, list(res.inject_nonfinite_at_steps))]
@@ -211,8 +214,10 @@ def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:
     from distill.methods.base import DistillMethod
 
     if cfg.sample_grid_seeds > 0 and type(method).generate is not DistillMethod.generate:
+        from hydra.utils import instantiate
+
         grid = run_dir / "samples" / "final.png"
-        save_sample_grid(method, grid, cfg.sample_grid_seeds)
+        save_sample_grid(method, grid, instantiate(cfg.eval).grid_batch(cfg.sample_grid_seeds), cfg.sample_grid_seeds)
         log.info("sample grid: %s", grid)
 
 

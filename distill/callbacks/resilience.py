@@ -123,10 +123,8 @@ class Preemption(L.Callback):
         # here would lose the gradients accumulated so far
         if not stop or self.preempted or trainer.global_step == self._step_at_batch_start:
             return
-        from pathlib import Path
-
         dirpath = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else trainer.default_root_dir
-        path = Path(dirpath) / self.checkpoint_name
+        path = f"{str(dirpath).rstrip('/')}/{self.checkpoint_name}"  # a local folder or an fsspec URL
         trainer.save_checkpoint(path, weights_only=False)
         name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
         log.warning("received %s: saved %s at step %d and stopping; relaunch the same command to resume",

@@ -155,6 +155,19 @@ def _check_extras(cfg: DictConfig) -> None:
                 )
 
 
+def _check_eval(cfg: DictConfig) -> None:
+    """The evaluation set's sources exist (nothing is loaded); a quality-cost sweep needs its feature network."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(cfg.eval).check(needs_fid=(cfg.get("callbacks") or {}).get("quality_cost") is not None)
+    except InstantiationException as err:
+        raise ConfigError(str(err.__cause__ or err)) from err
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from err
+
+
 def validate(cfg: DictConfig) -> None:
     missing = missing_keys(cfg)
     if missing:
@@ -216,7 +229,8 @@ def validate(cfg: DictConfig) -> None:
                 )
     _check_extras(cfg)
     if cfg.ckpt_path not in (None, "last"):
-        from pathlib import Path
+        from fsspec.core import url_to_fs
 
-        if not Path(cfg.ckpt_path).is_file():
+        fs, inner = url_to_fs(str(cfg.ckpt_path))
+        if not fs.isfile(inner):
             raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a file; give a .ckpt file or 'last'")

@@ -1,10 +1,14 @@
 """Checkpoints that are never half-written, load without executing pickled code, and resume from the
 newest readable file.
 
-* ``AtomicCheckpointIO`` writes to ``<name>.tmp-<pid>`` in the same folder, flushes and fsyncs it, then
-  renames it over the target (``os.replace`` is atomic on POSIX), so a crash or a full disk leaves the
-  previous file intact. Lightning's ``ModelCheckpoint`` deletes an old periodic checkpoint only after the
-  new one is saved, so rotation never drops below the newest complete file.
+* Paths are fsspec URLs or local paths, so checkpoint folders may live on ``s3://``, ``gs://``, ``file://``
+  or ``memory://``. On a local disk ``AtomicCheckpointIO`` writes to ``<name>.tmp-<pid>`` in the same folder,
+  flushes and fsyncs it, then renames it over the target (``os.replace`` is atomic on POSIX); elsewhere it
+  uses Lightning's own fsspec save, which serialises to memory first and writes the object in one put (an
+  object store shows a whole object or none). Either way a crash or a full disk leaves the previous file
+  intact, and Lightning's ``ModelCheckpoint`` deletes an old periodic checkpoint only after the new one is
+  saved, so rotation never drops below the newest complete file. (Lightning's local save writes the target
+  in place, without the rename or fsync, which is why the local path stays ours.)
 * Loading uses ``torch.load(weights_only=True)``: tensors and plain containers only.
 * ``resolve_resume`` picks the newest checkpoint in a run directory that loads, naming any it skips.
 """
@@ -14,9 +18,11 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 log = logging.getLogger(__name__)
@@ -39,7 +45,23 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def local_path(path: str | Path) -> Path | None:
+    """``path`` as a local Path (plain paths and ``file://`` URLs), or None for any other filesystem."""
+    fs, inner = url_to_fs(str(path))
+    return Path(inner) if isinstance(fs, LocalFileSystem) else None
+
+
+def _write_error(path, err: OSError, previous_exists: bool) -> CheckpointError:
+    reason = "the disk is full" if err.errno == errno.ENOSPC else err.strerror or str(err)
+    previous = "the previous file there is unchanged" if previous_exists else "no earlier file was there"
+    return CheckpointError(
+        f"could not write checkpoint {path}: {reason}; {previous}. Free space or point "
+        "checkpoint.dirpath elsewhere, then resume with ckpt_path=last"
+    )
+
+
 def atomic_torch_save(obj, path: str | Path) -> None:
+    """Write ``obj`` to a local path so that the target is either the old file or the whole new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
@@ -52,25 +74,22 @@ def atomic_torch_save(obj, path: str | Path) -> None:
     except BaseException as err:
         tmp.unlink(missing_ok=True)
         if isinstance(err, OSError):
-            reason = "the disk is full" if err.errno == errno.ENOSPC else err.strerror or str(err)
-            previous = "the previous file there is unchanged" if path.exists() else "no earlier file was there"
-            raise CheckpointError(
-                f"could not write checkpoint {path}: {reason}; {previous}. Free space or point "
-                "checkpoint.dirpath elsewhere, then resume with ckpt_path=last"
-            ) from err
+            raise _write_error(path, err, path.exists()) from err
         raise
     _fsync_dir(path.parent)
 
 
 def safe_load(path: str | Path, map_location="cpu") -> dict:
-    """A checkpoint's contents without running pickled code; a clear error for a damaged file."""
-    path = Path(path)
+    """A checkpoint's contents (local path or fsspec URL) without running pickled code; a clear error for a
+    damaged file."""
+    fs, inner = url_to_fs(str(path))
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with fs.open(inner, "rb") as f:
+            return torch.load(f, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise
     except Exception as err:  # truncated zip, bad magic number, disallowed global, ...
-        size = path.stat().st_size if path.exists() else 0
+        size = fs.size(inner) if fs.exists(inner) else 0
         raise CheckpointError(
             f"checkpoint {path} ({size} bytes) is unreadable: it is truncated, corrupted or not a weights-only "
             f"checkpoint ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
@@ -81,36 +100,63 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO with atomic writes and weights-only reads."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        atomic_torch_save(checkpoint, path)
+        local = local_path(path)
+        if local is not None:
+            atomic_torch_save(checkpoint, local)
+            return
+        fs, inner = url_to_fs(str(path))
+        try:
+            super().save_checkpoint(checkpoint, path, storage_options)
+        except OSError as err:
+            raise _write_error(path, err, fs.exists(inner)) from err
 
     def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
         return safe_load(path, map_location if map_location is not None else "cpu")
 
 
-def _step_of(path: Path) -> int:
-    digits = "".join(c for c in path.stem if c.isdigit())
+def _step_of(path: str) -> int:
+    digits = "".join(c for c in PurePosixPath(str(path)).stem if c.isdigit())
     return int(digits) if digits else -1
 
 
-def candidate_checkpoints(folder: Path) -> list[Path]:
-    """Checkpoints in ``folder``, newest first (modification time, then the step in the name)."""
-    files = [p for p in folder.glob("*.ckpt") if p.is_file()]
-    return sorted(files, key=lambda p: (p.stat().st_mtime_ns, _step_of(p)), reverse=True)
+def _mtime(info: dict) -> float:
+    """Modification time from an fsspec ``info`` dict (local: mtime; object stores: LastModified/updated;
+    memory: created); 0 where the filesystem reports none."""
+    for key in ("mtime", "LastModified", "updated", "created"):
+        value = info.get(key)
+        if value is not None:
+            return value.timestamp() if hasattr(value, "timestamp") else float(value)
+    return 0.0
 
 
-def resolve_resume(folder: Path) -> tuple[Path | None, dict | None]:
+def candidate_checkpoints(folder: str | Path) -> list[Path | str]:
+    """Checkpoints in ``folder`` (local path or fsspec URL), newest first (modification time, then the step
+    in the name): Paths for a local folder, URLs for any other filesystem."""
+    fs, inner = url_to_fs(str(folder))
+    if not fs.isdir(inner):
+        return []
+    infos = [info for info in fs.ls(inner, detail=True) if info["type"] == "file" and info["name"].endswith(".ckpt")]
+    infos.sort(key=lambda info: (_mtime(info), _step_of(info["name"])), reverse=True)
+    if local_path(folder) is not None:
+        return [Path(info["name"]) for info in infos]
+    return [fs.unstrip_protocol(info["name"]) for info in infos]
+
+
+def resolve_resume(folder: str | Path) -> tuple[Path | str | None, dict | None]:
     """The newest checkpoint in ``folder`` that loads, with its contents; (None, None) if there is none.
     Unreadable newer files are reported (by name) and skipped."""
-    for stale in folder.glob("*.ckpt.tmp-*"):  # a write that was killed before its rename
-        log.warning("removing %s, an unfinished checkpoint write", stale)
-        stale.unlink(missing_ok=True)
+    local = local_path(folder)
+    if local is not None:
+        for stale in local.glob("*.ckpt.tmp-*"):  # a write that was killed before its rename
+            log.warning("removing %s, an unfinished checkpoint write", stale)
+            stale.unlink(missing_ok=True)
     skipped = []
-    for path in candidate_checkpoints(folder) if folder.is_dir() else []:
+    for path in candidate_checkpoints(folder):
         try:
             checkpoint = safe_load(path)
         except CheckpointError as err:
             log.error("%s", err)
-            skipped.append(path.name)
+            skipped.append(PurePosixPath(str(path)).name)
             continue
         if skipped:
             log.warning("resuming from %s instead of the unreadable %s", path, ", ".join(skipped))
