@@ -1,22 +1,26 @@
-"""Image grids as PIL images (torchvision is not in the default install)."""
+"""Image grids as PIL images, through diffusers' ``make_image_grid`` (torchvision is not in the default install)."""
 
 from __future__ import annotations
 
 import torch
-from PIL import Image
+from diffusers.utils import make_image_grid
+from PIL import Image, ImageOps
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """(N, C, H, W) in [-1, 1] -> N PIL images (grey for C=1, RGB for C=3), rounded to uint8."""
+    array = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    array = array.permute(0, 2, 3, 1).numpy()
+    return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in array]
 
 
 def image_grid(images: torch.Tensor, nrow: int, pad: int = 1) -> Image.Image:
-    """(N, C, H, W) in [-1, 1] -> one PIL image with ``nrow`` images per row."""
-    images = ((images.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    n, c, h, w = images.shape
-    rows = (n + nrow - 1) // nrow
-    grid = torch.zeros((c, rows * (h + pad) + pad, nrow * (w + pad) + pad), dtype=torch.uint8)
-    for i in range(n):
-        r, col = divmod(i, nrow)
-        grid[:, pad + r * (h + pad): pad + r * (h + pad) + h, pad + col * (w + pad): pad + col * (w + pad) + w] = images[i]
-    array = grid.permute(1, 2, 0).numpy()
-    return Image.fromarray(array[..., 0] if c == 1 else array, mode="L" if c == 1 else "RGB")
+    """(N, C, H, W) in [-1, 1] -> one RGB image with ``nrow`` images per row, each framed by ``pad`` black
+    pixels; an incomplete last row is filled with black tiles."""
+    tiles = [ImageOps.expand(tile.convert("RGB"), border=pad) for tile in to_pil(images)]
+    rows = -(-len(tiles) // nrow)
+    tiles += [Image.new("RGB", tiles[0].size)] * (rows * nrow - len(tiles))
+    return make_image_grid(tiles, rows=rows, cols=nrow)
 
 
 def upscale(image: Image.Image, factor: int) -> Image.Image:
