@@ -122,3 +122,27 @@ def test_ema_resumed_mid_window_keeps_the_windows_images():
     resumed.on_train_batch_end(trainer, module, None, batch, 1)
     assert resumed.seen_images == 8  # both micro-batches: 2 half-lives, beta = 0.25
     assert resumed.ema.weight.item() == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("buffers", [True, False])
+def test_fused_ema_update_equals_a_per_tensor_lerp_and_copies_counters(buffers):
+    import copy
+
+    from distill.utils.optim import ema_update_
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7))
+    average, before = copy.deepcopy(net), copy.deepcopy(net)
+    for p in net.parameters():
+        p.data.add_(torch.randn_like(p))
+    net[1].running_mean.add_(1.0)
+    net[1].num_batches_tracked.add_(3)
+    ema_update_(average, net, 0.1, buffers=buffers)
+    params = {name for name, _ in net.named_parameters()}
+    for (name, a), b, c in zip(average.state_dict().items(), before.state_dict().values(), net.state_dict().values()):
+        if not buffers and name not in params:
+            assert torch.equal(a, b), name  # buffers untouched
+        elif a.dtype.is_floating_point:
+            assert torch.equal(a, b.clone().lerp_(c, 0.1)), name  # bit-identical to torch.lerp
+        else:
+            assert torch.equal(a, c), name

@@ -7,7 +7,7 @@ import copy
 import lightning as L
 import torch
 
-from distill.utils.optim import has_gradients
+from distill.utils.optim import ema_update_, has_gradients
 
 
 def ema_beta(batch_images: int, half_life_images: float, seen_images: int, rampup_ratio: float | None) -> float:
@@ -57,12 +57,7 @@ class EMA(L.Callback):
             return
         self.seen_images += batch_images
         beta = ema_beta(batch_images, self.half_life_images, self.seen_images, self.rampup_ratio)
-        live = module.state_dict()
-        for name, value in self.ema.state_dict().items():
-            if value.dtype.is_floating_point:
-                value.lerp_(live[name].to(value.dtype), 1.0 - beta)
-            else:
-                value.copy_(live[name])
+        ema_update_(self.ema, module, 1.0 - beta)
 
     @property
     def swapped_out(self) -> bool:
