@@ -1,11 +1,15 @@
-"""Quality-cost sweep of any text-to-image pipeline: a table, a CSV, a Pareto plot and sample grids.
+"""Quality-cost sweep of any text-to-image pipeline on an evaluation set: a table, a CSV, a Pareto plot and
+sample grids.
 
     python -m distill.evaluate pipeline=<dir or hub id> scheduler=dpmsolver nfe=[1,2,4,8,25,50]
     python -m distill.evaluate schedulers=[ddim,dpmsolver,euler] num_per_class=50
+    python -m distill.evaluate pipeline=<dir> data=imagefolder data.root=<images> eval.feature=<vision model>
 
-Protocol: ``num_per_class`` prompts "a handwritten digit <word>" per digit with fixed seeds; FID against
-the digits' held-out split in the shipped classifier's feature space; the real-data floor is
-FID(training digits, held-out) with the same number of images of each digit as the prompts ask.
+Protocol: the evaluation set (config group ``eval``, following ``data`` by default) gives the prompts,
+``num_per_class`` samples of each with fixed seeds; every registered metric (FID and KID in the set's
+feature space against its reference, CLIP score, prompt accuracy where the set has labels and a classifier)
+with its uncertainty; the real-data floor is the same metrics of real training images, as many of each
+label as the prompts ask, against the reference.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import time
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig
 
 from distill.config.schema import register_configs
@@ -27,25 +31,21 @@ register_configs()
 register_resolvers()
 
 
-def digit_rows_grid(images: torch.Tensor, seeds: int) -> torch.Tensor:
-    """Reorder interleaved digit samples (0..9, 0..9, ...) into rows of one digit each: (10 * seeds, C, H, W)."""
-    index = [j * 10 + d for d in range(10) for j in range(seeds)]
-    return images[index]
-
-
 def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
+    from hydra.utils import instantiate
+
     from distill.config.schema import EVALUATE_NFE
+    from distill.inference.loading import load_pipeline, pipeline_defaults
     from distill.inference.schedulers import SCHEDULERS
-    from distill.metrics.quality_cost import (
-        PipelineSampler,
-        build_evaluator,
+    from distill.metrics.fid import describe
+    from distill.metrics.quality_cost import PipelineSampler, build_evaluator
+    from distill.metrics.report import (
+        format_quality,
         format_table,
-        format_uncertain,
         plot_pareto,
+        save_grid,
         write_csv,
     )
-    from distill.sample import load_pipeline, pipeline_defaults
-    from distill.utils.images import image_grid, upscale
 
     names = list(cfg.schedulers) if cfg.schedulers else [cfg.scheduler.name]
     for name in names:
@@ -56,38 +56,46 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     nfe = list(cfg.nfe) if cfg.nfe else sorted(set(EVALUATE_NFE) | intended)  # the default sweep has the intended count
     if any(n < 1 for n in nfe):
         raise ValueError(f"nfe={nfe} must hold step counts >= 1")
+    try:
+        eval_set = instantiate(cfg.eval)
+    except InstantiationException as err:
+        raise ValueError(str(err.__cause__ or err)) from err
+    eval_set.check(needs_fid=True)  # before the pipeline is loaded
     pipe = load_pipeline(cfg.pipeline)
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
     model = cfg.model_name or Path(str(cfg.pipeline)).name
-    evaluator, floor, key = build_evaluator(cfg.feature, cfg.clip, cfg.classifier, cfg.num_per_class, cfg.seed,
-                                            cfg.resolution, cfg.cost_repeats, cfg.fid_bootstrap)
+    evaluator, floor, key = build_evaluator(eval_set, cfg.num_per_class, cfg.seed, cfg.cost_repeats)
     # The scheduler group's options (with any overrides) for its own scheduler; every other one of the
     # sweep takes those of its conf/scheduler/<name>.yaml; an export's own scheduler keeps its class and config.
     sampler = PipelineSampler(pipe, {cfg.scheduler.name: dict(cfg.scheduler.options)}, own=defaults.get("name"))
-    rows = []
-    for name in names:
-        for steps in nfe:
-            start = time.perf_counter()
-            row, images = evaluator.evaluate(sampler, model, name, int(steps), guidance)
-            rows.append(row)
-            quality = " ".join(f"{label}={format_uncertain(row[col], row[f'{col}_std'])}" for label, col in
-                               (("FID", "fid"), ("CLIP", "clip_score"), ("acc", "prompt_accuracy")) if col in row)
-            print(f"{model} {name:>9} steps={steps:<3} {quality} latency={row['latency_s'] * 1e3:.1f} ms/img "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
-            if cfg.grids:
-                seeds = min(cfg.grid_seeds, cfg.num_per_class)
-                (out_dir / "grids").mkdir(parents=True, exist_ok=True)
-                grid = image_grid(digit_rows_grid(images, seeds), nrow=seeds)
-                upscale(grid, 3).save(out_dir / "grids" / f"{model}-{name}-{steps}.png")
+    seeds = min(cfg.grid_seeds, cfg.num_per_class)
+    start = time.perf_counter()
+
+    def report(row: dict, images) -> None:
+        from tqdm.auto import tqdm
+
+        nonlocal start
+        tqdm.write(f"{model} {row['scheduler']:>9} steps={row['steps']:<3} {format_quality(row)} "
+                   f"latency={row['latency_s'] * 1e3:.1f} ms/img ({time.perf_counter() - start:.0f} s)")
+        start = time.perf_counter()
+        if cfg.grids:
+            save_grid(evaluator.grid(images, seeds), out_dir / "grids" / f"{model}-{row['scheduler']}-{row['steps']}.png",
+                      seeds, evaluator.grid_prompts())
+
+    rows = evaluator.sweep(sampler, model, [(name, steps) for name in names for steps in nfe], guidance,
+                           on_row=report)
     write_csv(rows, out_dir / "quality_cost.csv")
     plot_pareto(rows, out_dir / "pareto.png", title=f"{model}: FID vs latency", floor=floor)
     table = format_table(rows, floor)
     (out_dir / "table.md").write_text(table + "\n")
+    fid = eval_set.fid()
     (out_dir / "protocol.json").write_text(json.dumps({
-        "pipeline": str(cfg.pipeline), "num_per_class": cfg.num_per_class, "num_samples": len(evaluator.captions),
-        "seed": cfg.seed, "guidance_scale": guidance, "reference": key, "feature": cfg.feature,
-        "fid_feature_fingerprint": evaluator.fid.fingerprint, "real_data_floor": floor["fid"],
-        "real_data_floor_std": floor["fid_std"], "fid_bootstrap": cfg.fid_bootstrap,
+        "pipeline": str(cfg.pipeline), "eval": eval_set.name, "prompts": evaluator.prompts,
+        "num_per_class": cfg.num_per_class, "num_samples": len(evaluator.captions), "seed": cfg.seed,
+        "guidance_scale": guidance, "reference": key, "feature": describe(eval_set.feature),
+        "fid_feature_fingerprint": fid.fingerprint, "metrics": [m.name for m in evaluator.metrics],
+        "real_data_floor": floor["fid"] if floor else None, "real_data_floor_std": floor["fid_std"] if floor else None,
+        "real_data_floor_metrics": floor, "fid_bootstrap": eval_set.fid_bootstrap,
     }, indent=2))
     print(table)
     print(f"results in {out_dir}")

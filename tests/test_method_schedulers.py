@@ -35,9 +35,10 @@ def test_other_schedulers_of_a_method_take_their_conf_options(tmp_path):
 
 def test_an_exports_own_scheduler_is_kept_by_sweeps(tmp_path):
     """distill.evaluate on a progressive export: "ddim" keeps its GridDDIMScheduler (training grid)."""
+    from distill.callbacks.quality_cost import MethodSampler
     from distill.inference.schedulers import GridDDIMScheduler
     from distill.methods.progressive import ProgressiveDistillation
-    from distill.metrics.quality_cost import MethodSampler, PipelineSampler
+    from distill.metrics.quality_cost import PipelineSampler
 
     teacher = load_teacher(str(write_tiny_sd(tmp_path / "pipe")))
     method = ProgressiveDistillation(teacher, lambda u: copy_student(u), torch.optim.AdamW, start_steps=64,

@@ -9,15 +9,8 @@ from torch import nn
 from distill.data import DigitsDataModule
 from distill.metrics.cost import NFECounter, count_flops, measure_cost
 from distill.metrics.fid import FID, FeatureNet, frechet_distance, gaussian_statistics
-from distill.metrics.quality_cost import (
-    differ_beyond_uncertainty,
-    format_table,
-    format_uncertain,
-    pareto_front,
-    proportion_standard_error,
-    standard_error,
-    write_csv,
-)
+from distill.metrics.registry import proportion_standard_error, standard_error
+from distill.metrics.report import differ_beyond_uncertainty, format_table, format_uncertain, pareto_front, write_csv
 
 
 class RandomFeatures(nn.Module):

@@ -98,15 +98,17 @@ def test_teacher_rows_run_on_the_students_device_and_dtype(tiny_sd, tmp_path):
     seen = {}
 
     class RecordingEvaluator:
-        def evaluate(self, sampler, model, scheduler, steps, guidance_scale, measure):
+        def sweep(self, sampler, model, plan, guidance_scale, measure, on_row):
+            (scheduler, steps), = plan
             images = sampler(["a handwritten digit one"] * 2, torch.ones(2), scheduler, steps, guidance_scale,
                              torch.Generator().manual_seed(0))
             parameter = next(sampler.unet.parameters())
             seen[model] = (parameter.device, parameter.dtype, images.dtype)
-            return {"model": model, "scheduler": scheduler, "steps": steps, "fid": 1.0, "fid_std": 0.1,
-                    "latency_s": 0.01}, images
+            return [{"model": model, "scheduler": scheduler, "steps": steps, "fid": 1.0, "fid_std": 0.1,
+                     "latency_s": 0.01}]
 
-    callback = QualityCostCallback(nfe=[1], teacher=str(tiny_sd), teacher_nfe=[1], grid_seeds=0, measure_cost=False)
+    callback = QualityCostCallback(None, nfe=[1], teacher=str(tiny_sd), teacher_nfe=[1], grid_seeds=0,
+                                   measure_cost=False)
     callback._evaluator, callback._floor = RecordingEvaluator(), {"fid": 0.5, "fid_std": 0.05}
     student = torch.nn.Linear(2, 2).double()
     method = SimpleNamespace(student=student, sampling={},
@@ -157,7 +159,8 @@ def test_teacher_follows_the_trained_parameter_of_a_lora_like_student():
 
 def test_fid_bootstrap_strata_are_labels_else_prompt_ids():
     from distill.metrics.fid import PenultimateFeatures
-    from distill.metrics.quality_cost import draw_like, prompt_strata
+    from distill.metrics.eval_set import draw_like
+    from distill.metrics.quality_cost import prompt_strata
     from distill.models.classifier import DigitClassifier
 
     assert prompt_strata(["a", "b"], torch.tensor([7, 3])).tolist() == [7, 3]

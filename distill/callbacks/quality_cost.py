@@ -1,5 +1,6 @@
-"""Quality-cost evaluation during training: FID / CLIP / prompt accuracy / cost of the student for each
-(scheduler, steps) pair, the teacher's rows once, a table and a Pareto plot for every logger."""
+"""Quality-cost evaluation during training: every registered metric (FID, KID, CLIP score, prompt accuracy)
+and the cost of the student for each (scheduler, steps) pair on an evaluation set, the teacher's rows once, a
+table and a Pareto plot for every logger."""
 
 from __future__ import annotations
 
@@ -16,17 +17,35 @@ def trained_parameter(module: torch.nn.Module) -> torch.nn.Parameter:
     return next((p for p in parameters if p.requires_grad and p.is_floating_point()), parameters[0])
 
 
+class MethodSampler:
+    """A training method's ``generate`` (the student as it is now, before any export)."""
+
+    def __init__(self, method):
+        self.method, self.unet = method, method.student
+        # the guidance the student's intended call really uses (1 for a LoRA student that distilled it)
+        defaults = method.call_defaults() if hasattr(method, "call_defaults") else {}
+        self.default_guidance_scale = defaults.get("default_guidance_scale", method.sampling.get("guidance_scale"))
+
+    @torch.no_grad()
+    def __call__(self, captions, labels, scheduler, steps, guidance_scale, generator):
+        batch = {"caption": list(captions), "label": labels}
+        return self.method.generate(batch, generator, num_inference_steps=steps, guidance_scale=guidance_scale,
+                                    scheduler=scheduler)
+
+
 class QualityCostCallback(L.Callback):
     """Every ``every_n_steps`` training steps and at the end of training.
 
-    ``nfe=None`` evaluates the method's own current step count (``pl_module.student_steps``, e.g. the
-    round of progressive distillation); the Pareto plot then shows every evaluation so far. The teacher
-    runs on the student's device in the student's dtype, so that its rows and the student's compare models,
-    not devices. ``fid_bootstrap`` resamples give each FID its spread (``fid_std``).
+    ``eval_set`` (``distill.metrics.eval_set.EvalSet``, the config group ``eval``) gives the prompts, the
+    reference and the measuring networks; ``num_per_class`` samples of each prompt are drawn. ``nfe=None``
+    evaluates the method's own current step count (``pl_module.student_steps``, e.g. the round of progressive
+    distillation); the Pareto plot then shows every evaluation so far. The teacher runs on the student's device
+    in the student's dtype, so that its rows and the student's compare models, not devices.
     """
 
     def __init__(
         self,
+        eval_set,
         every_n_steps: int = 1000,
         schedulers: tuple[str, ...] = ("ddim",),
         nfe: tuple[int, ...] | None = (1, 2, 4),
@@ -37,23 +56,17 @@ class QualityCostCallback(L.Callback):
         teacher_guidance_scale: float | None = None,
         num_per_class: int = 20,
         seed: int = 0,
-        feature: str = "digits",
-        clip: str | None = None,
-        classifier: str | None = None,
-        resolution: int = 32,
         measure_cost: bool = True,
         grid_seeds: int = 4,
-        fid_bootstrap: int = 50,
     ):
+        self.eval_set = eval_set
         self.every_n_steps, self.schedulers = every_n_steps, list(schedulers)
         self.nfe = list(nfe) if nfe is not None else None
         self.guidance_scale = guidance_scale
         self.teacher, self.teacher_schedulers, self.teacher_nfe = teacher, list(teacher_schedulers), list(teacher_nfe)
         self.teacher_guidance_scale = teacher_guidance_scale
-        self.num_per_class, self.seed, self.feature = num_per_class, seed, feature
-        self.clip, self.classifier, self.resolution, self.measure_cost = clip, classifier, resolution, measure_cost
+        self.num_per_class, self.seed, self.measure_cost = num_per_class, seed, measure_cost
         self.grid_seeds = min(grid_seeds, num_per_class)
-        self.fid_bootstrap = fid_bootstrap
         self.teacher_rows: list[dict] = []
         self.history: list[dict] = []
         self._evaluator = None
@@ -65,14 +78,12 @@ class QualityCostCallback(L.Callback):
     def _build(self):
         from distill.metrics.quality_cost import build_evaluator
 
-        self._evaluator, self._floor, _ = build_evaluator(self.feature, self.clip, self.classifier,
-                                                          self.num_per_class, self.seed, self.resolution,
-                                                          fid_bootstrap=self.fid_bootstrap)
+        self._evaluator, self._floor, _ = build_evaluator(self.eval_set, self.num_per_class, self.seed)
 
     def _teacher_sampler(self, pl_module):
         """The teacher pipeline on the device and in the dtype of ``pl_module``'s student."""
+        from distill.inference.loading import load_pipeline, pipeline_defaults
         from distill.metrics.quality_cost import PipelineSampler
-        from distill.sample import load_pipeline, pipeline_defaults
 
         student = trained_parameter(pl_module.student)
         return PipelineSampler(load_pipeline(self.teacher).to(device=student.device, dtype=student.dtype),
@@ -82,33 +93,30 @@ class QualityCostCallback(L.Callback):
         """The teacher's rows, computed once (they are kept in the checkpoint); the teacher is released after."""
         if self.teacher is None or self.teacher_rows:
             return self.teacher_rows
-        from distill.sample import pipeline_defaults
+        from distill.inference.loading import pipeline_defaults
 
         sampler = self._teacher_sampler(pl_module)
         device = sampler.unet.device
         guidance = self.teacher_guidance_scale
         if guidance is None:
             guidance = pipeline_defaults(self.teacher).get("guidance_scale", 1.0)
-        for name in self.teacher_schedulers:
-            for steps in self.teacher_nfe:
-                row, images = self._evaluator.evaluate(sampler, "teacher", name, steps, guidance, self.measure_cost)
-                self.teacher_rows.append(row)
-                self._save_grid(self._trainer, images, f"teacher-{name}-{steps}.png")
+        plan = [(name, steps) for name in self.teacher_schedulers for steps in self.teacher_nfe]
+        self.teacher_rows = self._evaluator.sweep(
+            sampler, "teacher", plan, guidance, self.measure_cost,
+            on_row=lambda row, images: self._save_grid(self._trainer, images, f"teacher-{row['scheduler']}-{row['steps']}.png"))
         del sampler
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return self.teacher_rows
 
     def _save_grid(self, trainer, images: torch.Tensor, name: str) -> None:
-        """Rows = digits 0-9, columns = seeds, in the run's samples/ folder."""
+        """Rows = the evaluation set's first prompts, columns = seeds, in the run's samples/ folder."""
         if self.grid_seeds < 1:
             return
-        from distill.evaluate import digit_rows_grid
-        from distill.utils.images import image_grid, upscale
+        from distill.metrics.report import save_grid
 
-        out = Path(trainer.default_root_dir) / "samples"
-        out.mkdir(parents=True, exist_ok=True)
-        upscale(image_grid(digit_rows_grid(images, self.grid_seeds), nrow=self.grid_seeds), 3).save(out / name)
+        save_grid(self._evaluator.grid(images, self.grid_seeds), Path(trainer.default_root_dir) / "samples" / name,
+                  self.grid_seeds, self._evaluator.grid_prompts())
 
     # ------------------------------------------------------------------ hooks
 
@@ -125,7 +133,7 @@ class QualityCostCallback(L.Callback):
                 or trainer.fast_dev_run):  # a smoke run skips evaluation, as Lightning skips logging
             return []
         from distill.callbacks.ema import EMA
-        from distill.metrics.quality_cost import MethodSampler, plot_pareto, write_csv
+        from distill.metrics.report import plot_pareto, write_csv
 
         self._last_step = trainer.global_step
         self._trainer = trainer
@@ -138,48 +146,50 @@ class QualityCostCallback(L.Callback):
         swap = ema is not None and ema.swapped_out
         if swap:
             ema.swap_in(pl_module)
-        rows = []
+        step = trainer.global_step
+        plan = [(name, steps) for name in self.schedulers
+                for steps in (self.nfe if self.nfe is not None else [pl_module.student_steps])]
         try:
-            for name in self.schedulers:
-                for steps in self.nfe if self.nfe is not None else [pl_module.student_steps]:
-                    row, images = self._evaluator.evaluate(sampler, "student", name, steps, self.guidance_scale,
-                                                           self.measure_cost)
-                    row["step"] = trainer.global_step
-                    rows.append(row)
-                    self._save_grid(trainer, images, f"student-{name}-{steps}_step_{trainer.global_step:07d}.png")
+            rows = self._evaluator.sweep(
+                sampler, "student", plan, self.guidance_scale, self.measure_cost,
+                on_row=lambda row, images: self._save_grid(
+                    trainer, images, f"student-{row['scheduler']}-{row['steps']}_step_{step:07d}.png"))
         finally:
             if swap:
                 ema.swap_out(pl_module)
+        for row in rows:
+            row["step"] = step
         self.history.extend(rows)
         run_dir = Path(trainer.default_root_dir)
         csv_path = run_dir / "quality_cost.csv"
         first = not csv_path.exists()
-        write_csv(([dict(r, step=trainer.global_step) for r in teacher_rows] if first else []) + rows, csv_path, append=True)
+        write_csv(([dict(r, step=step) for r in teacher_rows] if first else []) + rows, csv_path, append=True)
         shown = rows if self.nfe is not None else [r for r in self.history]
-        plot = plot_pareto(teacher_rows + shown, run_dir / "plots" / f"pareto_step_{trainer.global_step:07d}.png",
-                           title=f"step {trainer.global_step}: FID vs latency", floor=self._floor)
+        plot = plot_pareto(teacher_rows + shown, run_dir / "plots" / f"pareto_step_{step:07d}.png",
+                           title=f"step {step}: FID vs latency", floor=self._floor)
         self._log(trainer, rows, teacher_rows, plot)
         return rows
 
     def _log(self, trainer, rows: list[dict], teacher_rows: list[dict], plot: Path) -> None:
         from PIL import Image
 
-        from distill.metrics.quality_cost import COLUMNS, format_table
+        from distill.metrics.report import columns, format_table, quality_columns
 
         metrics = {}
         for r in rows:
             tag = f"{r['scheduler']}-{r['steps']}"
-            for key in ("fid", "fid_std", "clip_score", "clip_score_std", "prompt_accuracy", "prompt_accuracy_std",
-                        "latency_s"):
+            for key in quality_columns() + ["latency_s"]:
                 if key in r:
                     metrics[f"val/{key}@{tag}"] = r[key]
-        metrics["val/fid_floor"], metrics["val/fid_floor_std"] = self._floor["fid"], self._floor["fid_std"]
+        for key, value in (self._floor or {}).items():  # val/fid_floor, val/fid_floor_std, val/kid_floor, ...
+            name, std = (key[:-4], "_std") if key.endswith("_std") else (key, "")
+            metrics[f"val/{name}_floor{std}"] = value
         table = format_table(teacher_rows + rows, self._floor)
         image = Image.open(plot).convert("RGB")
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
             if hasattr(logger, "log_table"):  # wandb
-                cols = [c for c in COLUMNS if any(c in r for r in rows)]
+                cols = [c for c in columns() if any(c in r for r in rows)]
                 logger.log_table("quality_cost", columns=cols,
                                  data=[[r.get(c) for c in cols] for r in teacher_rows + rows], step=trainer.global_step)
                 logger.log_image("pareto", images=[image], step=trainer.global_step)

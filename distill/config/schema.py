@@ -327,6 +327,33 @@ class PathsConfig:
     data_dir: str = MISSING
 
 
+# ---------------------------------------------------------------- evaluation set
+
+
+@dataclass
+class EvalConfig:
+    """An evaluation set (``distill.metrics.eval_set.EvalSet``): prompts, reference images, measuring networks."""
+
+    _target_: str = "distill.metrics.eval_set.EvalSet"
+    _convert_: str = "all"
+    name: str = MISSING  # names the reference in caches and protocol.json
+    prompts: list[str] | None = None  # the prompts; null: eval.prompts_file, else the captions of eval.data
+    prompts_file: str | None = None  # a text file, one prompt a line
+    labels: list[int] | None = None  # the class of each prompt (prompt accuracy, bootstrap strata); null: none
+    data: Any = None  # a data module: held-out captions (prompts), held-out images (reference), training images (floor)
+    num_prompts: int | None = None  # at most this many prompts, the first ones (null: all)
+    reference: str | None = None  # a folder of images or a .npz (mu, sigma[, features]); null: eval.data's held-out split
+    channels: int = 3  # of reference images read from a folder
+    resolution: int = 32  # samples and reference are judged at this size
+    feature: Any = None  # FID/KID features: a vision model folder or hub id (CLIP, DINOv2), a .pt, inception, a factory
+    clip: str | None = None  # CLIPModel folder or hub id (with its tokenizer) for the CLIP score; null: skip
+    classifier: Any = None  # a classifier (TorchScript .pt or a factory) reading each sample's label; null: skip
+    metrics: list[str] = field(default_factory=lambda: ["fid", "kid", "clip_score", "prompt_accuracy"])
+    fid_bootstrap: int = 50  # resamples of the generated set for each FID's spread (fid_std)
+    kid_subsets: int = 100  # KID: subsets averaged (kid_std is their spread)
+    kid_subset_size: int = 1000  # KID: samples per subset (capped at the smaller set)
+
+
 # ---------------------------------------------------------------- top level
 
 
@@ -340,6 +367,7 @@ class ResilienceConfig:
 @dataclass
 class TrainConfig:
     data: Any = MISSING
+    eval: Any = MISSING  # the evaluation set of sample grids and quality-cost sweeps (conf/eval)
     method: Any = MISSING
     teacher: Any = None
     student: Any = MISSING
@@ -362,7 +390,9 @@ class TrainConfig:
 class SampleConfig:
     pipeline: str = MISSING  # a diffusers pipeline folder or hub id
     out: str = "samples.png"
-    prompts: list[str] | None = None  # default: "a handwritten digit <word>" for 0-9
+    prompts: list[str] | None = None  # default: the first ten prompts of the evaluation set
+    data: Any = None  # the data group, which the evaluation set follows by default (eval: ${data})
+    eval: Any = MISSING  # the evaluation set (conf/eval) whose prompts are the default rows
     num_seeds: int = 8
     seed: int = 0
     sampler: str | None = None  # a scheduler name (conf/scheduler); default: the pipeline's own
@@ -378,20 +408,17 @@ EVALUATE_NFE = (1, 2, 4, 8, 25, 50)  # distill.evaluate's sweep for a pipeline w
 class EvaluateConfig:
     pipeline: str = MISSING  # a diffusers pipeline folder or hub id
     model_name: str | None = None  # label in tables and plots; default: the folder name
+    data: Any = None  # the data group, which the evaluation set follows by default (eval: ${data})
+    eval: Any = MISSING  # the evaluation set (conf/eval): prompts, reference, feature network, CLIP model
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     schedulers: list[str] | None = None  # several scheduler names in one sweep (overrides `scheduler`)
     nfe: list[int] | None = None  # steps per row; null: EVALUATE_NFE plus the export's intended count (distill.json)
-    num_per_class: int = 50
+    num_per_class: int = 50  # samples of each prompt of the evaluation set
     seed: int = 0
     guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0
-    feature: str = "digits"  # FID features: digits | inception | a folder | a TorchScript file
-    clip: str | None = MISSING  # CLIP model folder for the CLIP score (null: skip)
-    classifier: str | None = MISSING  # digit classifier folder for prompt accuracy (null: skip)
-    resolution: int = 32  # of the real reference digits
     grids: bool = True
     grid_seeds: int = 4
     cost_repeats: int = 3
-    fid_bootstrap: int = 50  # resamples of the generated set for each FID's spread (fid_std)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -404,6 +431,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
                 "moe_token": TokenMoEStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
                 "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig},
     "scheduler": {"scheduler": SchedulerConfig},
+    "eval": {"eval": EvalConfig},
     "trainer": {"trainer": TrainerConfig},
     "checkpoint": {"checkpoint": CheckpointConfig},
     "paths": {"paths": PathsConfig},

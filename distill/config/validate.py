@@ -228,6 +228,8 @@ def validate(cfg: DictConfig) -> None:
                     f"{name!r}; add it to the list ({group}=[...,{name}]) or drop it with {group}.{name}=null"
                 )
     _check_extras(cfg)
+    if cfg.get("eval") is not None:
+        _check_eval(cfg)
     if cfg.ckpt_path not in (None, "last"):
         from fsspec.core import url_to_fs
 

@@ -69,7 +69,7 @@ def _stock_note(info: dict) -> str:
 
 def model_card(info: dict) -> str:
     """A Hugging Face model card: the intended call, loading, how guidance was distilled, measured rows."""
-    from distill.metrics.quality_cost import format_table
+    from distill.metrics.report import format_table
 
     call = info["sampling"]
     steps, guidance, nfe = call["num_inference_steps"], call["guidance_scale"], call["nfe_per_step"]

@@ -1,19 +1,17 @@
-"""Quality-cost sweep: for each (scheduler, steps) generate a fixed prompt/seed set, measure FID, CLIP
-score, prompt accuracy (each with its uncertainty, ``<name>_std``) and cost, and keep the Pareto front
-(lower FID at lower latency)."""
+"""Quality-cost sweep: for each (scheduler, steps) generate a fixed prompt/seed set from an evaluation set,
+measure every registered quality metric (each with its uncertainty, ``<name>_std``) and the cost, and keep
+the Pareto front (lower FID at lower latency)."""
 
 from __future__ import annotations
 
-import csv
-import math
-from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
 
-from distill.data.digits import caption_for
 from distill.inference.schedulers import scheduler_options
 from distill.metrics.cost import NFECounter, measure_cost
+from distill.metrics.registry import Samples, build_metrics
 
 
 class Sampler(Protocol):
@@ -56,27 +54,6 @@ class PipelineSampler:
         return out * 2.0 - 1.0
 
 
-class MethodSampler:
-    """A training method's ``generate`` (the student as it is now, before any export)."""
-
-    def __init__(self, method):
-        self.method, self.unet = method, method.student
-        # the guidance the student's intended call really uses (1 for a LoRA student that distilled it)
-        defaults = method.call_defaults() if hasattr(method, "call_defaults") else {}
-        self.default_guidance_scale = defaults.get("default_guidance_scale", method.sampling.get("guidance_scale"))
-
-    @torch.no_grad()
-    def __call__(self, captions, labels, scheduler, steps, guidance_scale, generator):
-        batch = {"caption": list(captions), "label": labels}
-        return self.method.generate(batch, generator, num_inference_steps=steps, guidance_scale=guidance_scale,
-                                    scheduler=scheduler)
-
-
-def digit_prompts(num_per_class: int) -> tuple[list[str], torch.Tensor]:
-    labels = torch.arange(10).repeat(num_per_class)  # interleaved: every batch prefix covers all digits
-    return [caption_for(int(i)) for i in labels], labels
-
-
 def prompt_strata(captions: list[str], labels: torch.Tensor | None) -> torch.Tensor:
     """Each sample's stratum for the FID bootstrap (N,): its label, else the index of its prompt among the
     distinct prompts (the protocol draws a fixed number per prompt)."""
@@ -86,81 +63,76 @@ def prompt_strata(captions: list[str], labels: torch.Tensor | None) -> torch.Ten
     return torch.tensor([index.setdefault(c, len(index)) for c in captions])
 
 
-def standard_error(values: torch.Tensor) -> float:
-    """Standard error of the mean of ``values`` (N,): sample standard deviation / sqrt(N)."""
-    return values.double().std().item() / math.sqrt(len(values))
-
-
-def proportion_standard_error(p: float, n: int) -> float:
-    """Standard error of a proportion ``p`` measured on ``n`` independent trials: sqrt(p (1 - p) / n)."""
-    return math.sqrt(p * (1.0 - p) / n)
-
-
 class QualityCostEvaluator:
-    """Fixed prompts and seeds; FID against a reference set; CLIP score; classifier prompt accuracy; cost.
+    """Fixed prompts and seeds from an evaluation set; its metrics (FID, KID, CLIP score, prompt accuracy, any
+    other registered one its inputs allow); cost.
 
-    Every quality number comes with ``<name>_std``, the standard deviation of its estimate: for FID the
-    bootstrap over the generated samples (``fid_bootstrap`` resamples within each prompt's samples, the
-    reference fixed), for the CLIP
-    score and the prompt accuracy the standard error of their mean over the samples.
+    ``num_per_class`` samples of each prompt, interleaved (every batch prefix covers all prompts), generated
+    in batches of ``batch_size`` with seeds ``seed + batch index``. Every quality number comes with
+    ``<name>_std``, the standard deviation of its estimate (see each metric in ``distill.metrics.registry``).
     """
 
-    def __init__(self, fid, clip_model=None, clip_tokenizer=None, classifier=None, num_per_class: int = 50,
-                 seed: int = 0, batch_size: int = 250, cost_batch_size: int = 10, cost_repeats: int = 3,
-                 resolution: int = 32, fid_bootstrap: int = 50):
-        if fid_bootstrap < 2:
-            raise ValueError(f"fid_bootstrap={fid_bootstrap} resamples cannot give a spread; use at least 2 (default 50)")
-        self.fid, self.clip_model, self.clip_tokenizer, self.classifier = fid, clip_model, clip_tokenizer, classifier
-        self.resolution, self.fid_bootstrap = resolution, fid_bootstrap
-        self.captions, self.labels = digit_prompts(num_per_class)
+    def __init__(self, eval_set, num_per_class: int = 50, seed: int = 0, batch_size: int = 250,
+                 cost_batch_size: int = 10, cost_repeats: int = 3):
+        if num_per_class < 1:
+            raise ValueError(f"num_per_class={num_per_class} must be >= 1 (samples of each prompt)")
+        self.eval_set, self.resolution = eval_set, eval_set.resolution
+        self.prompts, prompt_labels = eval_set.prompts()
+        self.captions = [p for _ in range(num_per_class) for p in self.prompts]
+        self.labels = prompt_labels.repeat(num_per_class) if prompt_labels is not None else None
         self.strata = prompt_strata(self.captions, self.labels)
+        self.metrics = build_metrics(eval_set, seed)
         self.seed, self.batch_size = seed, batch_size
         self.cost_batch_size, self.cost_repeats = cost_batch_size, cost_repeats
 
+    @property
+    def num_batches(self) -> int:
+        return -(-len(self.captions) // self.batch_size)
+
+    def _batch_labels(self, start: int, stop: int) -> torch.Tensor:
+        if self.labels is None:  # unlabelled prompts: a class-conditional model samples its null class
+            return torch.full((len(self.captions[start:stop]),), -1, dtype=torch.long)
+        return self.labels[start:stop]
+
     @torch.no_grad()
-    def generate(self, sampler: Sampler, scheduler: str, steps: int, guidance_scale: float | None) -> torch.Tensor:
+    def generate(self, sampler: Sampler, scheduler: str, steps: int, guidance_scale: float | None,
+                 on_batch: Callable[[], None] | None = None) -> torch.Tensor:
         images = []
         for i, start in enumerate(range(0, len(self.captions), self.batch_size)):
             generator = torch.Generator().manual_seed(self.seed + i)
-            images.append(sampler(self.captions[start:start + self.batch_size],
-                                  self.labels[start:start + self.batch_size], scheduler, steps, guidance_scale,
-                                  generator).float().cpu())
+            stop = start + self.batch_size
+            images.append(sampler(self.captions[start:stop], self._batch_labels(start, stop), scheduler, steps,
+                                  guidance_scale, generator).float().cpu())
+            if on_batch is not None:
+                on_batch()
         return torch.cat(images)
 
+    def _resized(self, images: torch.Tensor) -> torch.Tensor:
+        if images.shape[-1] == self.resolution:
+            return images
+        return torch.nn.functional.interpolate(images, size=(self.resolution, self.resolution), mode="bilinear",
+                                               align_corners=False, antialias=True)
+
     @torch.no_grad()
-    def fid_with_spread(self, images: torch.Tensor, strata: torch.Tensor | None = None) -> dict:
-        """``fid`` and its bootstrap ``fid_std`` of ``images``, resampled within ``strata`` (N,) (default: the
-        evaluator's prompts, for images generated from them); the features are computed once."""
-        features = self.fid.features(images)
-        strata = self.strata if strata is None else strata
-        return {"fid": self.fid.from_features(features),
-                "fid_std": self.fid.bootstrap_std(features, self.fid_bootstrap, self.seed, strata)}
+    def measure(self, samples: Samples, real_data: bool = False) -> dict:
+        """``{name: value, name_std: std}`` of every metric (``real_data``: those measured on real images)."""
+        row = {}
+        for metric in self.metrics:
+            if real_data and not metric.real_data:
+                continue
+            row[metric.name], row[f"{metric.name}_std"] = metric(samples)
+        return row
 
     @torch.no_grad()
     def quality(self, images: torch.Tensor) -> dict:
-        from distill.metrics.clip_score import clip_score
-
-        if images.shape[-1] != self.resolution:  # judge every model at the reference resolution
-            images = torch.nn.functional.interpolate(images, size=(self.resolution, self.resolution), mode="bilinear",
-                                                     align_corners=False, antialias=True)
-        row = self.fid_with_spread(images)
-        if self.clip_model is not None:
-            scores = torch.cat([clip_score(self.clip_model, self.clip_tokenizer, images[i:i + 500], self.captions[i:i + 500])
-                                for i in range(0, len(images), 500)])
-            row["clip_score"], row["clip_score_std"] = scores.mean().item(), standard_error(scores)
-        if self.classifier is not None:
-            from distill.metrics.digit_accuracy import prompted_digit_accuracy
-
-            accuracy = prompted_digit_accuracy(images, self.labels, self.classifier)
-            row["prompt_accuracy"] = accuracy
-            row["prompt_accuracy_std"] = proportion_standard_error(accuracy, len(images))
-        return row
+        """Every metric of ``images`` generated from the evaluator's prompts, judged at the reference resolution."""
+        return self.measure(Samples(self._resized(images), self.captions, self.labels, self.strata))
 
     def evaluate(self, sampler: Sampler, model: str, scheduler: str, steps: int, guidance_scale: float | None,
-                 measure: bool = True) -> tuple[dict, torch.Tensor]:
+                 measure: bool = True, on_batch: Callable[[], None] | None = None) -> tuple[dict, torch.Tensor]:
         if guidance_scale is None:  # the sampler's own default, so that the table shows what was used
             guidance_scale = getattr(sampler, "default_guidance_scale", None)
-        images = self.generate(sampler, scheduler, steps, guidance_scale)
+        images = self.generate(sampler, scheduler, steps, guidance_scale, on_batch)
         row = {"model": model, "scheduler": scheduler, "steps": steps,
                "guidance_scale": guidance_scale if guidance_scale is not None else 1.0}
         row.update(self.quality(images))
@@ -168,9 +140,28 @@ class QualityCostEvaluator:
             row.update(self.cost(sampler, scheduler, steps, guidance_scale))
         return row, images
 
+    def sweep(self, sampler: Sampler, model: str, plan: Iterable[tuple[str, int]], guidance_scale: float | None,
+              measure: bool = True, on_row: Callable[[dict, torch.Tensor], None] | None = None) -> list[dict]:
+        """One row per (scheduler, steps) of ``plan``, with a progress bar over the generated batches;
+        ``on_row(row, images)`` after each (printing, saving grids)."""
+        from tqdm.auto import tqdm
+
+        plan = list(plan)
+        rows = []
+        with tqdm(total=len(plan) * self.num_batches, desc=f"quality-cost {model}", unit="batch",
+                  dynamic_ncols=True) as bar:
+            for scheduler, steps in plan:
+                bar.set_postfix_str(f"{scheduler} steps={steps}")
+                row, images = self.evaluate(sampler, model, scheduler, int(steps), guidance_scale, measure,
+                                            on_batch=lambda: bar.update(1))
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row, images)
+        return rows
+
     def cost(self, sampler: Sampler, scheduler: str, steps: int, guidance_scale: float | None) -> dict:
         n = self.cost_batch_size
-        captions, labels = self.captions[:n], self.labels[:n]
+        captions, labels = self.captions[:n], self._batch_labels(0, n)
 
         def run() -> torch.Tensor:
             return sampler(captions, labels, scheduler, steps, guidance_scale, torch.Generator().manual_seed(0))
@@ -182,154 +173,32 @@ class QualityCostEvaluator:
             cost = measure_cost(run, counter, n, params, active, repeats=self.cost_repeats, device=device)
         return cost.as_dict()
 
+    def grid(self, images: torch.Tensor, seeds: int, max_rows: int = 10) -> torch.Tensor:
+        """Interleaved samples (p0, p1, ..., p0, p1, ...) reordered into rows of one prompt each, ``seeds``
+        columns, the first ``max_rows`` prompts: (rows * seeds, C, H, W)."""
+        num_prompts, seeds = len(self.prompts), min(seeds, len(self.captions) // len(self.prompts))
+        return images[[j * num_prompts + p for p in range(min(max_rows, num_prompts)) for j in range(seeds)]]
 
-def pareto_front(rows: list[dict], x: str = "latency_s", y: str = "fid") -> list[dict]:
-    """Rows not dominated by another row that is at least as good on both axes and better on one."""
-    front = []
-    for r in rows:
-        dominated = any(o is not r and o[x] <= r[x] and o[y] <= r[y] and (o[x] < r[x] or o[y] < r[y]) for o in rows)
-        if not dominated:
-            front.append(r)
-    return sorted(front, key=lambda r: r[x])
-
-
-COLUMNS = ["model", "scheduler", "steps", "guidance_scale", "nfe", "fid", "fid_std", "clip_score", "clip_score_std",
-           "prompt_accuracy", "prompt_accuracy_std", "latency_s", "images_per_s", "peak_memory_mb", "gflops_per_image",
-           "params_m", "active_params_m", "step"]
+    def grid_prompts(self, max_rows: int = 10) -> list[str]:
+        """The prompt of each row of ``grid``."""
+        return self.prompts[:max_rows]
 
 
-def differ_beyond_uncertainty(a: dict, b: dict, key: str = "fid", sigmas: float = 1.0) -> bool:
-    """Whether rows ``a`` and ``b`` differ in ``key`` by more than ``sigmas`` times their combined
-    uncertainty sqrt(std_a^2 + std_b^2) (independent estimates; ``<key>_std`` of each row)."""
-    combined = math.hypot(a[f"{key}_std"], b[f"{key}_std"])
-    return abs(a[key] - b[key]) > sigmas * combined
+def real_data_floor(evaluator: QualityCostEvaluator) -> dict | None:
+    """The real-data metrics (FID, KID and their spreads) of real training images against the reference,
+    drawn as the evaluator prompts them (as many of each label, resampled within labels): the best a model can
+    hope for. None when the evaluation set has no data module."""
+    real = evaluator.eval_set.real_images(evaluator.labels, len(evaluator.captions))
+    if real is None:
+        return None
+    images, labels = real
+    strata = labels if labels is not None else torch.zeros(len(images), dtype=torch.long)
+    return evaluator.measure(Samples(images, [""] * len(images), labels, strata), real_data=True)
 
 
-def format_uncertain(value: float, std: float) -> str:
-    """``value ± std`` with the std to two significant digits and the value to the same decimal place."""
-    if not std > 0 or not math.isfinite(std):
-        return f"{value:.4g} ± {std:.2g}"
-    decimals = max(0, 1 - math.floor(math.log10(std)))
-    return f"{value:.{decimals}f} ± {std:.{decimals}f}"
-
-
-def write_csv(rows: list[dict], path: Path, append: bool = False) -> None:
-    """Write (or append to) a CSV of ``COLUMNS``; appending keeps an existing file's header (an older run's)."""
-    path = Path(path)
-    new = not (append and path.exists())
-    columns = COLUMNS
-    if not new:
-        with open(path, newline="") as f:
-            columns = next(csv.reader(f), COLUMNS)
-    with open(path, "a" if append else "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-
-
-def _cell(row: dict, column: str) -> str:
-    value, std = row.get(column, ""), row.get(f"{column}_std")
-    if isinstance(value, float) and isinstance(std, float):
-        return format_uncertain(value, std)
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def format_table(rows: list[dict], floor: dict | None = None) -> str:
-    """A Markdown table of the rows, each quality number as ``value ± std`` (and the real-data FID floor)."""
-    cols = [c for c in COLUMNS if any(c in r for r in rows) and not c.endswith("_std")]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        lines.append("| " + " | ".join(_cell(r, c) for c in cols) + " |")
-    if floor is not None:
-        lines.append(f"\nreal-data floor: FID(train, held-out) = {_cell(floor, 'fid')}")
-    return "\n".join(lines)
-
-
-def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", floor: dict | None = None,
-                x: str = "latency_s", y: str = "fid") -> Path:
-    """FID against latency per image with +-1 std error bars, one series per (model, scheduler), the front
-    drawn as a line, the real-data floor as a band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=120)
-    series: dict[tuple, list[dict]] = {}
-    for r in rows:
-        series.setdefault((r["model"], r["scheduler"]), []).append(r)
-    for (model, scheduler), rs in sorted(series.items()):
-        rs = sorted(rs, key=lambda r: r[x])
-        marker = "s" if model == "teacher" else "o"
-        ax.errorbar([r[x] for r in rs], [r[y] for r in rs], yerr=[r.get(f"{y}_std", 0.0) for r in rs], marker=marker,
-                    linestyle=":", capsize=2, label=f"{model} {scheduler}")
-        for r in rs:
-            ax.annotate(str(r["steps"]), (r[x], r[y]), textcoords="offset points", xytext=(3, 3), fontsize=7)
-    front = pareto_front(rows, x, y)
-    ax.plot([r[x] for r in front], [r[y] for r in front], color="black", linewidth=1, alpha=0.5, label="Pareto front")
-    if floor is not None:
-        ax.axhline(floor[y], color="grey", linestyle="--", linewidth=1, label="real-data floor")
-        spread = floor.get(f"{y}_std", 0.0)
-        ax.axhspan(floor[y] - spread, floor[y] + spread, color="grey", alpha=0.15, linewidth=0)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("latency per image (s)" if x == "latency_s" else x)
-    ax.set_ylabel(y.upper() if y == "fid" else y)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def real_data_floor(evaluator: QualityCostEvaluator) -> dict:
-    """FID (and its bootstrap spread, resampled within labels) of real training digits against the held-out
-    reference, drawn as the evaluator prompts them (as many of each label): the best a model can hope for."""
-    from distill.data import DigitsDataModule
-
-    dm = DigitsDataModule(resolution=evaluator.resolution)
-    dm.setup()
-    labels = dm.train_set.labels
-    idx = draw_like(labels, evaluator.labels, torch.Generator().manual_seed(0))
-    return evaluator.fid_with_spread(dm.train_set.images[idx], labels[idx])
-
-
-def draw_like(labels: torch.Tensor, wanted: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Indices into ``labels`` (M,) of a random draw without replacement holding as many of each label as
-    ``wanted`` (N,) does."""
-    values, counts = wanted.unique(return_counts=True)
-    pools = [torch.nonzero(labels == v).flatten() for v in values]
-    return torch.cat([p[torch.randperm(len(p), generator=generator)[:int(n)]] for p, n in zip(pools, counts)])
-
-
-def heldout_reference(resolution: int = 32) -> tuple[torch.Tensor, str]:
-    from distill.data import DigitsDataModule
-
-    dm = DigitsDataModule(resolution=resolution)
-    dm.setup()
-    return dm.heldout_set.images, f"digits-heldout-r{resolution}-s{dm.split_seed}"
-
-
-def build_evaluator(feature: str = "digits", clip: str | None = None, classifier: str | None = None,
-                    num_per_class: int = 50, seed: int = 0, resolution: int = 32,
-                    cost_repeats: int = 3, fid_bootstrap: int = 50) -> tuple[QualityCostEvaluator, dict, str]:
-    """The evaluator of the protocol (FID against the held-out digits, optional CLIP score and prompt
-    accuracy from model folders), the real-data floor (``fid``, ``fid_std``) and the reference key."""
-    from transformers import CLIPModel, CLIPTokenizer
-
-    from distill.metrics.fid import FID
-    from distill.models.classifier import DigitClassifier
-
-    reference, key = heldout_reference(resolution)
-    fid = FID(feature, input_shape=tuple(reference.shape[1:]))
-    fid.set_reference(reference, key)
-    clip_model = CLIPModel.from_pretrained(clip).eval() if clip else None
-    clip_tokenizer = CLIPTokenizer.from_pretrained(clip) if clip else None
-    digit_classifier = DigitClassifier.from_pretrained(classifier).eval() if classifier else None
-    evaluator = QualityCostEvaluator(fid, clip_model, clip_tokenizer, digit_classifier, num_per_class, seed,
-                                     cost_repeats=cost_repeats, resolution=resolution, fid_bootstrap=fid_bootstrap)
-    return evaluator, real_data_floor(evaluator), key
+def build_evaluator(eval_set, num_per_class: int = 50, seed: int = 0,
+                    cost_repeats: int = 3) -> tuple[QualityCostEvaluator, dict | None, str]:
+    """The evaluator of ``eval_set`` (reference statistics loaded), its real-data floor and the reference key."""
+    evaluator = QualityCostEvaluator(eval_set, num_per_class, seed, cost_repeats=cost_repeats)
+    eval_set.fid()  # the reference, before any sampling: a bad reference fails here
+    return evaluator, real_data_floor(evaluator), eval_set.reference_key

@@ -1,0 +1,25 @@
+"""Loading any diffusers pipeline, and the intended call an export records in its distill.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_pipeline(name_or_path: str):
+    """A diffusers pipeline from a local folder or a hub id (local files only when offline); distill's own
+    pipeline classes (named in an export's model_index.json) are registered with diffusers first."""
+    from diffusers import DiffusionPipeline
+
+    import distill.inference.pipelines  # noqa: F401
+
+    path = Path(name_or_path)
+    if path.exists() and not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"pipeline={name_or_path!r} has no model_index.json; give a diffusers pipeline folder")
+    return DiffusionPipeline.from_pretrained(name_or_path)
+
+
+def pipeline_defaults(name_or_path: str) -> dict:
+    """The export's intended call (scheduler name, num_inference_steps, guidance_scale); {} without distill.json."""
+    from distill.inference.model_card import read_export_info
+
+    return read_export_info(name_or_path).get("sampling", {})

@@ -1,0 +1,146 @@
+"""Quality metrics as registered classes: a metric is one class here, and every table, CSV, plot and logger
+picks it up from ``METRICS``.
+
+A metric reads a ``Samples`` (images and what they were generated from) and returns its value and the
+standard deviation of that estimate (the column ``<name>_std``). It takes what it measures with from the
+evaluation set (``distill.metrics.eval_set.EvalSet``); ``needs`` names the inputs without which it is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import ClassVar
+
+import torch
+
+from distill.metrics.fid import to_model_pixels
+
+log = logging.getLogger(__name__)
+
+
+class Samples:
+    """Images (N, C, H, W) in [-1, 1] with their captions (N,), labels (N,) or None, and the strata (N,) of the
+    bootstrap; features are computed once per feature network and shared by the metrics that use them."""
+
+    def __init__(self, images: torch.Tensor, captions: list[str], labels: torch.Tensor | None, strata: torch.Tensor):
+        self.images, self.captions, self.labels, self.strata = images, captions, labels, strata
+        self._features: dict[int, torch.Tensor] = {}
+
+    def features(self, fid) -> torch.Tensor:
+        if id(fid) not in self._features:
+            self._features[id(fid)] = fid.features(self.images)
+        return self._features[id(fid)]
+
+
+class Metric:
+    """Base of every quality metric. Subclasses set ``name`` (the CSV column), ``label`` (short, for
+    console lines), ``needs`` (evaluation-set inputs: "feature", "clip", "classifier", "labels") and
+    ``real_data`` (also measured on real images, for the data floor), and implement ``__call__``."""
+
+    name: ClassVar[str]
+    label: ClassVar[str]
+    needs: ClassVar[tuple[str, ...]] = ()
+    real_data: ClassVar[bool] = False
+
+    def __init__(self, eval_set, seed: int = 0):
+        self.eval_set, self.seed = eval_set, seed
+
+    def __call__(self, samples: Samples) -> tuple[float, float]:
+        """(value, standard deviation of the estimate) on ``samples``."""
+        raise NotImplementedError
+
+
+METRICS: dict[str, type[Metric]] = {}
+
+
+def register_metric(cls: type[Metric]) -> type[Metric]:
+    """Class decorator: ``METRICS[cls.name] = cls`` (registration order is the column order)."""
+    if cls.name in METRICS and METRICS[cls.name] is not cls:
+        raise ValueError(f"metric {cls.name!r} is registered twice ({METRICS[cls.name].__qualname__}, {cls.__qualname__})")
+    METRICS[cls.name] = cls
+    return cls
+
+
+def standard_error(values: torch.Tensor) -> float:
+    """Standard error of the mean of ``values`` (N,): sample standard deviation / sqrt(N)."""
+    return values.double().std().item() / math.sqrt(len(values))
+
+
+def proportion_standard_error(p: float, n: int) -> float:
+    """Standard error of a proportion ``p`` measured on ``n`` independent trials: sqrt(p (1 - p) / n)."""
+    return math.sqrt(p * (1.0 - p) / n)
+
+
+@register_metric
+class FIDMetric(Metric):
+    """FID against the reference; its std is the stratified bootstrap over the samples (reference fixed)."""
+
+    name, label, needs, real_data = "fid", "FID", ("feature",), True
+
+    def __call__(self, samples: Samples) -> tuple[float, float]:
+        fid = self.eval_set.fid()
+        features = samples.features(fid)
+        return fid.from_features(features), fid.bootstrap_std(features, self.eval_set.fid_bootstrap, self.seed,
+                                                              samples.strata)
+
+
+@register_metric
+class KIDMetric(Metric):
+    """KID against the reference features (unbiased at any sample count); its std is the spread over subsets."""
+
+    name, label, needs, real_data = "kid", "KID", ("feature",), True
+
+    def __call__(self, samples: Samples) -> tuple[float, float]:
+        from distill.metrics.kid import kernel_inception_distance
+
+        fid = self.eval_set.fid()
+        features = samples.features(fid)
+        if fid.reference_features is None:
+            return math.nan, math.nan  # statistics-only reference (.npz without features)
+        if min(len(fid.reference_features), len(features)) < 4:
+            log.warning("KID needs at least 4 reference and 4 generated images (got %d and %d); reported as NaN",
+                        len(fid.reference_features), len(features))
+            return math.nan, math.nan
+        return kernel_inception_distance(fid.reference_features, features, self.eval_set.kid_subsets,
+                                         self.eval_set.kid_subset_size, self.seed)
+
+
+@register_metric
+class CLIPScoreMetric(Metric):
+    """CLIP score of each sample against its caption, averaged; std: the standard error of that mean."""
+
+    name, label, needs = "clip_score", "CLIP", ("clip",)
+
+    def __call__(self, samples: Samples) -> tuple[float, float]:
+        from distill.metrics.clip_score import clip_score
+
+        model, tokenizer, mean, std = self.eval_set.clip_model()
+        images = samples.images
+        channels = model.config.vision_config.num_channels
+        if images.shape[1] != channels and images.shape[1] == 1:  # grey samples, RGB model
+            images = images.expand(-1, channels, -1, -1)
+        images = to_model_pixels(images, mean, std)
+        scores = torch.cat([clip_score(model, tokenizer, images[i:i + 500], samples.captions[i:i + 500])
+                            for i in range(0, len(images), 500)])
+        return scores.mean().item(), standard_error(scores)
+
+
+@register_metric
+class PromptAccuracyMetric(Metric):
+    """Share of samples the classifier assigns to their prompt's label; std: the proportion's standard error."""
+
+    name, label, needs = "prompt_accuracy", "acc", ("classifier", "labels")
+
+    @torch.no_grad()
+    def __call__(self, samples: Samples) -> tuple[float, float]:
+        classifier = self.eval_set.classifier_model()
+        logits = torch.cat([classifier(chunk) for chunk in samples.images.split(256)])
+        accuracy = (logits.argmax(1) == samples.labels.to(logits.device)).float().mean().item()
+        return accuracy, proportion_standard_error(accuracy, len(samples.images))
+
+
+def build_metrics(eval_set, seed: int = 0) -> list[Metric]:
+    """The metrics ``eval_set.metrics`` names whose inputs the set has, in registration order."""
+    return [METRICS[name](eval_set, seed) for name in METRICS
+            if name in eval_set.metrics and all(eval_set.available(need) for need in METRICS[name].needs)]
