@@ -165,8 +165,10 @@ def run(cfg: DictConfig) -> dict:
         _fail(run_dir, str(_root_cause(err)))
     del checkpoint
 
+    job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    for logger in trainer.loggers:  # the whole composed config, not only the method's arguments
+        logger.log_hyperparams(OmegaConf.to_container(job_cfg, resolve=True))
     if trainer.is_global_zero:
-        job_cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(job_cfg, resolve=True))
         n_params = sum(p.numel() for p in method.student.parameters())
         log.info("student: %s, %.2fM parameters; run directory %s", type(method.student).__name__, n_params / 1e6, run_dir)

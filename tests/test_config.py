@@ -6,6 +6,7 @@ import tarfile
 
 import numpy as np
 import pytest
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 from PIL import Image
@@ -112,7 +113,7 @@ def test_scheduler_option_samples_during_validation(compose, option, tmp_path):
     run_in_process(cfg, tmp_path)
     grids = list((tmp_path / "run" / "samples").glob("*.png"))
     assert len(grids) == 1
-    assert Image.open(grids[0]).size == (4 * (16 + 1) + 4, 4 * (10 * 17 + 1))
+    assert Image.open(grids[0]).size == (4 * (16 + 2), 4 * 10 * (16 + 2))  # one seed x 10 prompts, 1-px frames, x4
 
 
 @pytest.mark.parametrize("loggers", ["csv", "tensorboard", "wandb", "none", "[csv,tensorboard,wandb]"])
@@ -131,4 +132,10 @@ def test_logger_options(compose, loggers, tmp_path, monkeypatch):
     if "csv" in names:
         rows = list(csv.DictReader(open(run / "csv" / "metrics.csv")))
         assert any(r.get("train/loss") for r in rows) and any(r.get("val/loss") for r in rows)
+        hparams = yaml.safe_load(open(run / "csv" / "hparams.yaml"))  # the whole composed config
+        assert hparams["trainer"]["max_steps"] == 2 and hparams["data"]["_target_"] == cfg.data._target_
+        assert hparams["student"]["size"] == cfg.student.size and "hydra" not in hparams
+    if "wandb" in names:  # an offline run keeps its config records inside the run's .wandb file
+        (records,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+        assert b"sample_grid_seeds" in records.read_bytes() and b"limit_val_batches" in records.read_bytes()
     assert (run / "checkpoints" / "last.ckpt").exists()
