@@ -17,8 +17,7 @@ import torch
 
 from distill.assets import asset_path
 from distill.data import DigitsDataModule
-from distill.diffusion import alpha_sigma
-from distill.diffusion.consistency import ddim_step
+from distill.diffusion import alpha_sigma, ddim_step, guidance_condition
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.models.students import copy_student
 from distill.models.teacher import load_teacher
@@ -55,7 +54,7 @@ def main() -> None:
     w = torch.full((n,), 2.0)
     cond = method.conditioner(batch)["encoder_hidden_states"]
     uncond = method.conditioner.null(n)["encoder_hidden_states"]
-    w_kwargs = method._w_embedding(w)
+    w_kwargs = guidance_condition(w, method.w_dim, x0)
 
     def teacher_and_solver():
         x0_w, eps_w = method._teacher(x0, t, cond, uncond, w)

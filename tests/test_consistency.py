@@ -9,15 +9,13 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, LCMScheduler, StableDiffusionPipeline
 
-from distill.diffusion import alpha_sigma, to_x0_eps
+from distill.diffusion import alpha_sigma, ddim_step, guidance_scale_embedding, to_x0_eps
 from distill.diffusion.consistency import (
     boundary_scalings,
     check_consistency_loss,
     consistency_loss,
     consistency_output,
-    ddim_step,
     ddim_timesteps,
-    guidance_scale_embedding,
     ict_huber_c,
 )
 from tests.conftest import run_train

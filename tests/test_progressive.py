@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 
+from distill.diffusion import guidance_condition
 from distill.methods.progressive import ProgressiveDistillation
 from distill.models.students import copy_student
 from distill.models.teacher import load_teacher
@@ -125,7 +126,7 @@ def test_w_embedding_is_what_the_exported_pipeline_feeds(tiny_sd, tmp_path):
     pipe(["a", "b"], num_inference_steps=2, guidance_scale=3.0, height=16, width=16, output_type="pt",
          generator=torch.Generator().manual_seed(0))
     assert len(seen) == 2 and all(n == 2 for n, _ in seen)  # one evaluation per step: no CFG batch
-    expected = method._w_kwargs(torch.tensor([3.0, 3.0]))["timestep_cond"]
+    expected = guidance_condition(torch.tensor([3.0, 3.0]) - 1.0, method.w_dim, seen[0][1])["timestep_cond"]
     torch.testing.assert_close(seen[0][1], expected)
 
 

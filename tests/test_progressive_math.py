@@ -4,8 +4,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from distill.diffusion import alpha_sigma, prediction_target, to_x0_eps
-from distill.diffusion.consistency import ddim_step
+from distill.diffusion import alpha_sigma, ddim_step, prediction_target, to_x0_eps
 from distill.diffusion.progressive import progressive_x_target, round_schedule
 
 

@@ -1,8 +1,11 @@
-"""The math of diffusion as pure functions: schedules, parametrisations, losses, samplers of t."""
+"""The math of diffusion as pure functions: schedules, parametrisations, losses, samplers of t, solver steps,
+guidance."""
 
+from distill.diffusion.guidance import cfg, guidance_condition, guidance_scale_embedding
 from distill.diffusion.losses import diffusion_loss, snr_weight
 from distill.diffusion.parametrization import PREDICTION_TYPES, prediction_target, to_x0_eps
 from distill.diffusion.schedules import add_noise, alpha_sigma, snr
+from distill.diffusion.solvers import ddim_step
 from distill.diffusion.timesteps import TIMESTEP_SAMPLERS, sample_timesteps
 
 __all__ = [
@@ -10,7 +13,11 @@ __all__ = [
     "TIMESTEP_SAMPLERS",
     "add_noise",
     "alpha_sigma",
+    "cfg",
+    "ddim_step",
     "diffusion_loss",
+    "guidance_condition",
+    "guidance_scale_embedding",
     "prediction_target",
     "sample_timesteps",
     "snr",

@@ -27,23 +27,6 @@ def consistency_output(x_t: torch.Tensor, x0_pred: torch.Tensor, c_skip: torch.T
     return c_skip.reshape(shape) * x_t + c_out.reshape(shape) * x0_pred
 
 
-def ddim_step(x0_pred: torch.Tensor, eps_pred: torch.Tensor, alpha_prev: torch.Tensor, sigma_prev: torch.Tensor) -> torch.Tensor:
-    """Deterministic DDIM update to an earlier time s: x_s = alpha_s x0 + sigma_s eps (Song et al. 2021, eq. 12, eta=0)."""
-    return alpha_prev * x0_pred + sigma_prev * eps_pred
-
-
-def guidance_scale_embedding(w: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal embedding of 1000 * w, (N,) -> (N, dim); w is the LCM guidance w = cfg_scale - 1
-    (the embedding diffusers' pipelines feed to ``timestep_cond``; Luo et al. 2023 sec. 4.2)."""
-    half = dim // 2
-    # float32 throughout, in this order: at 1000 * w the sines are sensitive to the last bit of the frequencies
-    step = torch.log(torch.tensor(10000.0)) / (half - 1)
-    freqs = torch.exp(torch.arange(half, dtype=torch.float32) * -step).to(w.device)
-    args = (w.float() * 1000.0)[:, None] * freqs[None, :]
-    emb = torch.cat([torch.sin(args), torch.cos(args)], dim=1)
-    return F.pad(emb, (0, 1)) if dim % 2 else emb
-
-
 def ict_huber_c(numel: int) -> float:
     """iCT's pseudo-Huber constant c = 0.00054 sqrt(d), d = elements per example (Song & Dhariwal 2023, sec. 3.3)."""
     return 0.00054 * math.sqrt(numel)

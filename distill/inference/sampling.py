@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from distill.diffusion import cfg
 from distill.models.conditioning import concat_conditions
 
 
@@ -36,8 +37,7 @@ def sample(
     for t in scheduler.timesteps:
         x_in = scheduler.scale_model_input(x, t)
         if guided:
-            out_c, out_u = model(torch.cat([x_in, x_in]), t, **both).chunk(2)
-            out = out_u + guidance_scale * (out_c - out_u)
+            out = cfg(*model(torch.cat([x_in, x_in]), t, **both).chunk(2), guidance_scale)
         else:
             out = model(x_in, t, **both)
         x = scheduler.step(out, t, x, **step_kwargs).prev_sample

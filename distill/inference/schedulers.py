@@ -14,8 +14,7 @@ from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
 from diffusers.schedulers.scheduling_utils import KarrasDiffusionSchedulers
 from omegaconf import OmegaConf
 
-from distill.diffusion import add_noise, alpha_sigma, to_x0_eps
-from distill.diffusion.consistency import ddim_step
+from distill.diffusion import add_noise, alpha_sigma, ddim_step, to_x0_eps
 
 SCHEDULERS: dict[str, str] = {
     "ddpm": "DDPMScheduler",

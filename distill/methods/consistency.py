@@ -4,37 +4,25 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from distill.diffusion import add_noise, alpha_sigma, to_x0_eps
+from distill.diffusion import add_noise, alpha_sigma, cfg, ddim_step, guidance_condition, to_x0_eps
 from distill.diffusion.consistency import (
     boundary_scalings,
     check_consistency_loss,
     consistency_loss,
     consistency_output,
-    ddim_step,
     ddim_timesteps,
-    guidance_scale_embedding,
 )
-from distill.methods.base import (
-    DistillMethod,
-    encode_latents,
-    pipeline_images,
-    text_to_image_pipeline,
-)
-from distill.models.conditioning import TextConditioner
+from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
-from distill.models.students import make_student
 from distill.models.teacher import Teacher
 from distill.utils.optim import has_gradients
 
-FROZEN_PREFIXES = ("teacher_unet.", "vae.", "conditioner.text_encoder.")
 
-
-class LatentConsistencyDistillation(DistillMethod):
+class LatentConsistencyDistillation(TeacherStudentDistillation):
     """A student f(x_t, t, c, w) = c_skip x_t + c_out x0_student learns to map every point of the teacher's
     guided PF-ODE to the same x0: f_student(x_{t_n}) ~ f_target(x_{t_{n-k}}), where x_{t_{n-k}} is one
     skipping DDIM step of the classifier-free-guided teacher from x_{t_n}."""
@@ -56,27 +44,17 @@ class LatentConsistencyDistillation(DistillMethod):
         cache_prompts: bool = True,
         sampling: dict | None = None,
     ):
-        super().__init__(optimizer, lr_scheduler)
-        if guidance_scale_min > guidance_scale_max:
-            raise ValueError(f"method.guidance_scale_min={guidance_scale_min} > method.guidance_scale_max={guidance_scale_max}")
         check_consistency_loss(loss_type, huber_c)
+        super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=guidance_scale_min,
+                         guidance_scale_max=guidance_scale_max, cache_prompts=cache_prompts)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
-        self.teacher_source = teacher.source
-        self.teacher_unet = teacher.unet.requires_grad_(False).eval()
-        self.vae = teacher.vae.requires_grad_(False).eval()
-        self.conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer, cache=cache_prompts)
-        self.noise_scheduler_config = dict(teacher.scheduler.config)
         self.prediction_type = teacher.prediction_type
-        self.student = make_student(student, teacher)
-        self.is_lora = self.student is self.teacher_unet
         if self.is_lora and ema_decay > 0:
             raise ValueError("a LoRA student trains against a stop-gradient target; set method.ema_decay=0")
         # ema_decay = 0: the target is the student itself under stop-gradient (no copy kept).
         self.target = copy.deepcopy(self.student).requires_grad_(False) if ema_decay > 0 else None
         self.ema_decay = ema_decay
-        self.w_dim = self.student.config.time_cond_proj_dim
-        self.num_ddim_timesteps, self.guidance_scale_min, self.guidance_scale_max = (
-            num_ddim_timesteps, guidance_scale_min, guidance_scale_max)
+        self.num_ddim_timesteps = num_ddim_timesteps
         self.loss_type, self.huber_c = loss_type, huber_c
         self.timestep_scaling, self.sigma_data = timestep_scaling, sigma_data
         self.sampling = dict(sampling or {"name": "lcm", "num_inference_steps": 4, "guidance_scale": 3.0})
@@ -84,46 +62,24 @@ class LatentConsistencyDistillation(DistillMethod):
         self.skip = T // num_ddim_timesteps
         self.register_buffer("solver_timesteps", ddim_timesteps(T, num_ddim_timesteps), persistent=False)
         self.register_buffer("alphas_cumprod", teacher.scheduler.alphas_cumprod.clone().float(), persistent=False)
-        self.strict_loading = False  # frozen teacher parts are not stored in checkpoints
 
-    # ------------------------------------------------------------------ modes and checkpoints
+    method_name = "consistency"
 
     def train(self, mode: bool = True):
         super().train(mode)
-        self.vae.eval()
-        if not self.is_lora:
-            self.teacher_unet.eval()
         if self.target is not None:
             self.target.eval()
         return self
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        state = checkpoint["state_dict"]
-        for key in [k for k in state if k.startswith(FROZEN_PREFIXES)]:
-            if not (self.is_lora and "lora" in key):
-                del state[key]
-
     # ------------------------------------------------------------------ networks
 
-    def _w_embedding(self, w: torch.Tensor) -> dict:
-        return {} if self.w_dim is None else {"timestep_cond": guidance_scale_embedding(w, self.w_dim).to(w.device)}
-
     def _teacher(self, x_t, t, cond, uncond, w):
-        """Guided teacher (x0, eps) at (x_t, t): conditional and unconditional passes in one batch."""
+        """Guided teacher (x0, eps) at (x_t, t), guided in (x0, eps) with LCM's w (Luo et al. 2023, sec. 4.2)."""
         alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x_t.ndim)
-        if self.is_lora:
-            self.student.disable_adapters()
-        try:
-            out = self.teacher_unet(torch.cat([x_t, x_t]), torch.cat([t, t]),
-                                    encoder_hidden_states=torch.cat([cond, uncond])).sample
-        finally:
-            if self.is_lora:
-                self.student.enable_adapters()
-        out_c, out_u = out.chunk(2)
+        out_c, out_u = self.teacher_cond_uncond(x_t, t, cond, uncond)
         x0_c, eps_c = to_x0_eps(self.prediction_type, out_c, x_t, alpha, sigma)
         x0_u, eps_u = to_x0_eps(self.prediction_type, out_u, x_t, alpha, sigma)
-        w = w.reshape(-1, 1, 1, 1)
-        return x0_c + w * (x0_c - x0_u), eps_c + w * (eps_c - eps_u)
+        return cfg(x0_c, x0_u, w=w), cfg(eps_c, eps_u, w=w)
 
     def _consistency_fn(self, net, x_t, t, cond, w_kwargs):
         alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x_t.ndim)
@@ -131,9 +87,6 @@ class LatentConsistencyDistillation(DistillMethod):
         x0, _ = to_x0_eps(self.prediction_type, out, x_t, alpha, sigma)
         c_skip, c_out = boundary_scalings(t, self.sigma_data, self.timestep_scaling)
         return consistency_output(x_t, x0, c_skip, c_out)
-
-    def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return encode_latents(self.vae, pixels, generator)
 
     # ------------------------------------------------------------------ objective
 
@@ -145,9 +98,8 @@ class LatentConsistencyDistillation(DistillMethod):
         t_prev = (t - self.skip).clamp(min=0)  # t_{n-k}
         w = (self.guidance_scale_min - 1) + (self.guidance_scale_max - self.guidance_scale_min) * torch.rand(n, generator=generator)
         w = w.to(device)  # LCM's w = cfg scale - 1
-        w_kwargs = self._w_embedding(w)
-        cond = self.conditioner(batch)["encoder_hidden_states"]
-        uncond = self.conditioner.null(n, device)["encoder_hidden_states"]
+        w_kwargs = guidance_condition(w, self.w_dim, x0)
+        cond, uncond = self.text_conditions(batch, n, device)
 
         eps = torch.randn(x0.shape, generator=generator).to(x0)
         alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x0.ndim)
@@ -161,11 +113,6 @@ class LatentConsistencyDistillation(DistillMethod):
             with no_routing_record(target):  # the student's own routing record is the one its loss trains
                 f_target = self._consistency_fn(target, x_prev, t_prev, cond, w_kwargs)
         return consistency_loss(f_student, f_target, self.loss_type, self.huber_c)
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0])
-        return self.add_student_aux_loss(loss, batch["pixel_values"].shape[0])
 
     def optimizer_step(self, *args, **kwargs) -> None:
         """The optimizer step, then the target's EMA update: once per optimizer step (not per micro-batch under
@@ -181,19 +128,18 @@ class LatentConsistencyDistillation(DistillMethod):
         for p_target, p_student in zip(self.target.parameters(), self.student.parameters()):
             p_target.lerp_(p_student, 1.0 - self.ema_decay)
 
-    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch, torch.Generator().manual_seed(1000 + batch_idx))
-        self.log("val/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0], sync_dist=True)
-        return loss
-
     # ------------------------------------------------------------------ sampling and export
 
-    def pipeline(self, scheduler: str | None = None):
-        """The student as an in-memory distill text-to-image pipeline whose call defaults are the export's
-        (``call_defaults``), with an LCM scheduler by default on the solver grid the student was trained on."""
+    @property
+    def num_inference_steps(self) -> int:
+        return self.sampling["num_inference_steps"]
+
+    def sampling_scheduler(self, name: str | None = None):
+        """The configured scheduler (LCM by default) or another by ``name``; LCM and TCD on the solver grid the
+        student was trained on."""
         from distill.inference.schedulers import make_scheduler, scheduler_options
 
-        name = scheduler or self.sampling["name"]
+        name = name or self.sampling["name"]
         options = {} if name == self.sampling["name"] else scheduler_options(name)  # as the teacher's rows get
         if name in ("lcm", "tcd"):  # their inference timesteps are taken from a grid of original_inference_steps
             if self.sigma_data != 0.5:
@@ -201,59 +147,12 @@ class LatentConsistencyDistillation(DistillMethod):
             options.update(timestep_scaling=self.timestep_scaling, original_inference_steps=self.num_ddim_timesteps)
         if name == self.sampling["name"]:
             options.update(self.sampling.get("options") or {})
-        scheduler = make_scheduler(name, self.noise_scheduler_config, **options)
-        return text_to_image_pipeline(self.vae, self.conditioner, self.student, scheduler, **self.call_defaults())
+        return make_scheduler(name, self.noise_scheduler_config, **options)
 
-    def call_defaults(self) -> dict:
-        """The intended call: the configured steps; the configured guidance as the student's w input, or, for a
-        student without one (LoRA), guidance 1 and no CFG pass, the guidance being distilled into it."""
-        return {"default_num_inference_steps": self.sampling["num_inference_steps"],
-                "default_guidance_scale": self.sampling["guidance_scale"] if self.w_dim is not None else 1.0,
-                "guidance_distilled": self.w_dim is None}
+    def guidance_source(self) -> str:
+        return (f"the teacher's classifier-free guidance at scales drawn from "
+                f"[{self.guidance_scale_min}, {self.guidance_scale_max}]")
 
-    def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
-                 guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
-        return pipeline_images(self.pipeline(scheduler), batch["caption"], generator, num_inference_steps, guidance_scale)
-
-    def export(self, out_dir: str | Path) -> Path:
-        """A distill text-to-image pipeline folder with an LCMScheduler on the training grid, distill.json and a
-        model card; for a LoRA student also the adapter weights alone (lora/pytorch_lora_weights.safetensors, for
-        ``pipe.load_lora_weights`` on the teacher)."""
-        from distill.inference.model_card import call_info, write_export_info
-
-        out_dir = Path(out_dir)
-        pipe = self.pipeline()
-        student = type(self.student).__name__
-        if self.is_lora:
-            from diffusers import StableDiffusionPipeline
-            from diffusers.utils import convert_state_dict_to_diffusers
-            from peft.utils import get_peft_model_state_dict
-
-            lora = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.student))
-            StableDiffusionPipeline.save_lora_weights(out_dir / "lora", unet_lora_layers=lora, safe_serialization=True)
-            # The full pipeline holds a copy with the adapters merged into the weights and removed.
-            merged = copy.deepcopy(self.student)
-            merged.fuse_lora()
-            merged.unload_lora()
-            pipe.register_modules(unet=merged)
-            student += " with its LoRA adapters merged (adapters alone in lora/)"
-        pipe.save_pretrained(out_dir)
-        defaults = self.call_defaults()
-        scales = f"[{self.guidance_scale_min}, {self.guidance_scale_max}]"
-        if self.w_dim is not None:
-            guidance = (f"distilled from the teacher's classifier-free guidance at scales drawn from {scales}, taken as "
-                        "an input (the embedding of guidance_scale - 1 through timestep_cond): one UNet evaluation per "
-                        "step at any scale in that range, never a CFG pass.")
-        else:
-            guidance = (f"distilled from the teacher's classifier-free guidance at scales drawn from {scales}, without a "
-                        "guidance input: the one UNet evaluation per step is already guided; no CFG pass is run and "
-                        "guidance_scale has no effect.")
-        write_export_info(out_dir, {
-            "method": "consistency", "teacher": self.teacher_source, "student": student, "pipeline": type(pipe).__name__,
-            "sampling": call_info(type(pipe.scheduler).__name__, defaults["default_num_inference_steps"],
-                                  defaults["default_guidance_scale"], cfg_pass=False),
-            "guidance": guidance, "guidance_distilled": defaults["guidance_distilled"],
-            "guidance_scale_range": [self.guidance_scale_min, self.guidance_scale_max],
-            "num_ddim_timesteps": self.num_ddim_timesteps, "timestep_scaling": self.timestep_scaling,
-        })
-        return out_dir
+    def export_info(self) -> dict:
+        return {"guidance_scale_range": [self.guidance_scale_min, self.guidance_scale_max],
+                "num_ddim_timesteps": self.num_ddim_timesteps, "timestep_scaling": self.timestep_scaling}

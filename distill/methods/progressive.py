@@ -22,23 +22,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from distill.diffusion import add_noise, prediction_target, snr, snr_weight, to_x0_eps
-from distill.diffusion.consistency import ddim_step, guidance_scale_embedding
-from distill.diffusion.losses import diffusion_loss
+from distill.diffusion import (
+    add_noise,
+    cfg,
+    ddim_step,
+    diffusion_loss,
+    guidance_condition,
+    prediction_target,
+    snr,
+    snr_weight,
+    to_x0_eps,
+)
 from distill.diffusion.progressive import progressive_x_target, round_schedule
 from distill.inference.schedulers import grid_timesteps
-from distill.methods.base import (
-    DistillMethod,
-    encode_latents,
-    pipeline_images,
-    text_to_image_pipeline,
-)
-from distill.models.conditioning import TextConditioner
-from distill.models.students import make_student
+from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
 
-class ProgressiveDistillation(DistillMethod):
+class ProgressiveDistillation(TeacherStudentDistillation):
+    method_name = "progressive"
+
     def __init__(
         self,
         teacher: Teacher,
@@ -56,30 +59,22 @@ class ProgressiveDistillation(DistillMethod):
         guidance_scale_max: float = 6.0,
         sampling: dict | None = None,
     ):
-        super().__init__(optimizer, lr_scheduler)
+        rounds = round_schedule(start_steps, final_steps)  # student step counts, e.g. [32, 16, 8, 4]
+        super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=guidance_scale_min,
+                         guidance_scale_max=guidance_scale_max)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
-        self.rounds = round_schedule(start_steps, final_steps)  # student step counts, e.g. [32, 16, 8, 4]
+        self.rounds = rounds
         self.start_steps, self.steps_per_round = start_steps, steps_per_round
-        self.teacher_source = teacher.source
-        self.vae = teacher.vae.requires_grad_(False).eval()
-        self.conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer)
-        self.noise_scheduler_config = dict(teacher.scheduler.config)
         self.teacher_prediction_type = teacher.prediction_type
         self.student_prediction_type, self.loss_weighting = student_prediction_type, loss_weighting
         self.guidance_scale = guidance_scale
-        self.teacher_unet = teacher.unet.requires_grad_(False).eval()
-        self.student = make_student(student, teacher)
         self.guided_stage_steps = guided_stage_steps
-        self.w_dim = self.student.config.get("time_cond_proj_dim")
         if guided_stage_steps > 0 and self.w_dim is None:
             raise ValueError("method.guided_stage_steps > 0 trains a w-conditioned student; use student=copy with "
                              "student.time_cond_proj_dim=256 (it is null)")
         if guided_stage_steps == 0 and self.w_dim is not None:
             raise ValueError(f"student.time_cond_proj_dim={self.w_dim} but the guidance scale is fixed "
                              "(method.guided_stage_steps=0); set student.time_cond_proj_dim=null or guided_stage_steps>0")
-        if guidance_scale_min > guidance_scale_max:
-            raise ValueError(f"method.guidance_scale_min={guidance_scale_min} > method.guidance_scale_max={guidance_scale_max}")
-        self.guidance_scale_min, self.guidance_scale_max = guidance_scale_min, guidance_scale_max
         # round -1 is the guided stage: the original teacher, distilled at its own step count into a w-conditioned student
         self.first_round = -1 if guided_stage_steps > 0 else 0
         default_w = guidance_scale if self.w_conditioned else 1.0
@@ -89,7 +84,6 @@ class ProgressiveDistillation(DistillMethod):
         abar = teacher.scheduler.alphas_cumprod.clone().float()
         self.register_buffer("abar", torch.cat([abar, torch.ones(1)]), persistent=False)
         self.round_index = self.first_round
-        self.strict_loading = False
 
     # ------------------------------------------------------------------ rounds
 
@@ -122,13 +116,12 @@ class ProgressiveDistillation(DistillMethod):
         if self.trainer.is_global_zero and not self.trainer.fast_dev_run:  # the last round's student
             self.export(Path(self.trainer.default_root_dir) / "rounds" / f"{self.student_steps:03d}-steps")
 
+    @property
+    def teacher_reloads(self) -> bool:
+        return self.round_index == self.first_round  # later teachers are trained students, kept in checkpoints
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        state = checkpoint["state_dict"]
-        for key in [k for k in state if k.startswith(("vae.", "conditioner.text_encoder."))]:
-            del state[key]
-        if self.round_index == self.first_round:  # the original teacher reloads from its pipeline
-            for key in [k for k in state if k.startswith("teacher_unet.")]:
-                del state[key]
+        super().on_save_checkpoint(checkpoint)
         checkpoint["progressive"] = {"round_index": self.round_index, "guidance_scale": self.guidance_scale,
                                      "teacher_prediction_type": self.teacher_prediction_type}
 
@@ -157,25 +150,17 @@ class ProgressiveDistillation(DistillMethod):
         u = torch.rand(n, generator=generator)
         return self.guidance_scale_min + (self.guidance_scale_max - self.guidance_scale_min) * u
 
-    def _w_kwargs(self, scale: torch.Tensor) -> dict:
-        if not self.w_conditioned:
-            return {}
-        return {"timestep_cond": guidance_scale_embedding(scale - 1.0, self.w_dim)}  # pipelines embed (scale - 1)
-
     @torch.no_grad()
     def _teacher_x0_eps(self, x, t, cond, uncond, scale, w_kwargs):
         """The current teacher's (x0, eps) at (x, t): the original teacher with CFG at ``scale`` in the
         first round (or guided stage), later the previous student (w as an input when w-conditioned)."""
         a, s = self._alpha_sigma(t)
         tt = t.clamp(max=self.num_train_timesteps - 1)
-        if self.round_index == self.first_round and bool((scale != 1.0).any()):
-            out_c, out_u = self.teacher_unet(torch.cat([x, x]), torch.cat([tt, tt]),
-                                             encoder_hidden_states=torch.cat([cond, uncond])).sample.chunk(2)
-            out = out_u + scale.to(x).reshape(-1, 1, 1, 1) * (out_c - out_u)
-        elif self.round_index == self.first_round:
-            out = self.teacher_unet(x, tt, encoder_hidden_states=cond).sample
+        original = self.round_index == self.first_round
+        if original and bool((scale != 1.0).any()):
+            out = cfg(*self.teacher_cond_uncond(x, tt, cond, uncond), scale.to(x))
         else:
-            out = self.teacher_unet(x, tt, encoder_hidden_states=cond, **w_kwargs).sample
+            out = self.teacher_forward(x, tt, cond, **({} if original else w_kwargs))
         return to_x0_eps(self.teacher_prediction_type, out, x, a, s)
 
     def _teacher_step(self, x, t, t_next, cond, uncond, scale, w_kwargs):
@@ -184,12 +169,11 @@ class ProgressiveDistillation(DistillMethod):
         return ddim_step(x0, eps, a_next, s_next)
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
-        x0 = encode_latents(self.vae, batch["pixel_values"], generator)
+        x0 = self.encode(batch["pixel_values"], generator)
         n, steps = x0.shape[0], self.student_steps
-        cond = self.conditioner(batch)["encoder_hidden_states"]
-        uncond = self.conditioner.null(n, x0.device)["encoder_hidden_states"]
+        cond, uncond = self.text_conditions(batch, n, x0.device)
         scale = self._scales(n, generator).to(x0.device)
-        w_kwargs = {k: v.to(x0) for k, v in self._w_kwargs(scale).items()}
+        w_kwargs = guidance_condition(scale - 1.0, self.w_dim, x0)  # pipelines embed w = scale - 1
         i = torch.randint(1, steps + 1, (n,), generator=generator).to(x0.device)
         if self.round_index < 0:  # guided stage: the student's prediction matches the guided teacher's
             t = self._times(i, steps)
@@ -212,68 +196,35 @@ class ProgressiveDistillation(DistillMethod):
         return diffusion_loss(pred, target, weight)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        n = batch["pixel_values"].shape[0]
-        self.log("train/loss", loss, prog_bar=True, batch_size=n)
-        self.log("train/student_steps", float(self.student_steps), batch_size=n)
-        return self.add_student_aux_loss(loss, n)
-
-    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch, torch.Generator().manual_seed(1000 + batch_idx))
-        self.log("val/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0], sync_dist=True)
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/student_steps", float(self.student_steps), batch_size=batch["pixel_values"].shape[0])
         return loss
 
     # ------------------------------------------------------------------ sampling and export
 
-    def pipeline(self, scheduler: str | None = None):
-        """The student as an in-memory distill text-to-image pipeline with the export's call defaults
-        (``call_defaults``). DDIM (the default) is ``GridDDIMScheduler``: the (t, t_prev) pairs of the training
-        grid at every step count, the last step to the clean sample; other names are diffusers' schedulers
-        with trailing spacing."""
+    @property
+    def num_inference_steps(self) -> int:
+        return self.student_steps  # this round's
+
+    def sampling_scheduler(self, name: str | None = None):
+        """DDIM (the default) is ``GridDDIMScheduler``: the (t, t_prev) pairs of the training grid at every step
+        count, the last step to the clean sample; other names are diffusers' schedulers with trailing spacing."""
         from distill.inference.schedulers import GridDDIMScheduler, make_scheduler
 
-        name = scheduler or self.sampling["name"]
+        name = name or self.sampling["name"]
         if name == "ddim":
-            sched = GridDDIMScheduler.from_config(self.noise_scheduler_config, prediction_type=self.student_prediction_type)
-        else:
-            sched = make_scheduler(name, self.noise_scheduler_config, prediction_type=self.student_prediction_type,
-                                   timestep_spacing="trailing")
-        return text_to_image_pipeline(self.vae, self.conditioner, self.student, sched, **self.call_defaults())
+            return GridDDIMScheduler.from_config(self.noise_scheduler_config, prediction_type=self.student_prediction_type)
+        return make_scheduler(name, self.noise_scheduler_config, prediction_type=self.student_prediction_type,
+                              timestep_spacing="trailing")
 
-    def call_defaults(self) -> dict:
-        """This round's step count; a w-conditioned student takes the configured guidance as its input, a w-fixed
-        one has its guidance distilled (no CFG pass, guidance 1)."""
-        return {"default_num_inference_steps": self.student_steps,
-                "default_guidance_scale": self.sampling["guidance_scale"] if self.w_conditioned else 1.0,
-                "guidance_distilled": not self.w_conditioned}
-
-    def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
-                 guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
-        return pipeline_images(self.pipeline(scheduler), batch["caption"], generator, num_inference_steps, guidance_scale)
-
-    def export(self, out_dir: str | Path) -> Path:
-        """A distill text-to-image pipeline folder whose GridDDIMScheduler samples this round's student on its
-        training grid, with distill.json and a model card."""
-        from distill.inference.model_card import call_info, write_export_info
-
-        out_dir = Path(out_dir)
-        pipe = self.pipeline()
-        pipe.save_pretrained(out_dir)
-        defaults = self.call_defaults()
+    def guidance_source(self) -> str:
         if self.w_conditioned:
-            guidance = (f"distilled from the teacher's classifier-free guidance at scales in [{self.guidance_scale_min}, "
-                        f"{self.guidance_scale_max}], taken as an input (the embedding of guidance_scale - 1 through "
-                        "timestep_cond): one UNet evaluation per step at any scale in that range, never a CFG pass.")
-        else:
-            guidance = (f"distilled from the first teacher's classifier-free guidance at scale {self.hparams.guidance_scale}, "
-                        "without a guidance input: the one UNet evaluation per step is already guided; no CFG pass is "
-                        "run and guidance_scale has no effect.")
-        info = {"method": "progressive", "teacher": self.teacher_source, "student": type(self.student).__name__,
-                "pipeline": type(pipe).__name__,
-                "sampling": call_info(type(pipe.scheduler).__name__, defaults["default_num_inference_steps"],
-                                      defaults["default_guidance_scale"], cfg_pass=False),
-                "guidance": guidance, "guidance_distilled": defaults["guidance_distilled"],
-                "w_conditioned": self.w_conditioned, "prediction_type": self.student_prediction_type}
+            return (f"the teacher's classifier-free guidance at scales in [{self.guidance_scale_min}, "
+                    f"{self.guidance_scale_max}]")
+        return f"the first teacher's classifier-free guidance at scale {self.hparams.guidance_scale}"
+
+    def export_info(self) -> dict:
+        info = {"w_conditioned": self.w_conditioned, "prediction_type": self.student_prediction_type}
         if self.w_conditioned:
             info["guidance_scale_range"] = [self.guidance_scale_min, self.guidance_scale_max]
-        return write_export_info(out_dir, info)
+        return info

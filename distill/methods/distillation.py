@@ -1,0 +1,208 @@
+"""The teacher-student base of every distillation method: everything but the method's own loss."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from distill.methods.base import (
+    DistillMethod,
+    encode_latents,
+    pipeline_images,
+    text_to_image_pipeline,
+)
+from distill.models.conditioning import TextConditioner
+from distill.models.students import make_student
+from distill.models.teacher import Teacher
+
+
+class TeacherStudentDistillation(DistillMethod):
+    """A frozen Stable-Diffusion-format teacher (UNet, VAE, text encoder, noise schedule) and a student built from
+    it (``make_student``). The base loads and freezes the teacher, conditions on text, keeps the frozen weights
+    out of checkpoints, validates, builds the in-memory pipeline, generates and exports (pipeline folder,
+    distill.json, model card).
+
+    A method writes its ``loss``, its ``sampling_scheduler``, its intended ``num_inference_steps`` and what its
+    export says about the guidance (``guidance_source``, ``export_info``); ``method_name`` names it in exports.
+    """
+
+    method_name: str = ""
+
+    def __init__(
+        self,
+        teacher: Teacher,
+        student: nn.Module | Callable[[nn.Module], nn.Module],
+        optimizer: Callable,
+        lr_scheduler: Callable | None = None,
+        *,
+        guidance_scale_min: float,
+        guidance_scale_max: float,
+        cache_prompts: bool = True,
+    ):
+        if guidance_scale_min > guidance_scale_max:
+            raise ValueError(f"method.guidance_scale_min={guidance_scale_min} > method.guidance_scale_max={guidance_scale_max}")
+        super().__init__(optimizer, lr_scheduler)
+        self.teacher_source = teacher.source
+        self.teacher_unet = teacher.unet.requires_grad_(False).eval()
+        self.vae = teacher.vae.requires_grad_(False).eval()
+        self.conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer, cache=cache_prompts)
+        self.noise_scheduler_config = dict(teacher.scheduler.config)
+        self.student = make_student(student, teacher)
+        # LoRA adapters on the teacher's own UNet: with the adapters disabled the student is the teacher
+        self.is_lora = self.student is self.teacher_unet
+        self.w_dim = self.student.config.get("time_cond_proj_dim")  # None: no guidance-scale input
+        self.guidance_scale_min, self.guidance_scale_max = guidance_scale_min, guidance_scale_max
+        self.strict_loading = False  # frozen teacher parts are not stored in checkpoints
+
+    # ------------------------------------------------------------------ frozen teacher and checkpoints
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.vae.eval()
+        if self.teacher_unet is not self.student:  # a LoRA student's base weights take the student's mode
+            self.teacher_unet.eval()
+        return self
+
+    @property
+    def teacher_reloads(self) -> bool:
+        """Whether ``teacher_unet`` is the loaded teacher, rebuilt from its pipeline on resume and so left out of
+        checkpoints; a method whose teacher becomes a trained network says otherwise."""
+        return True
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        frozen = ("vae.", "conditioner.text_encoder.") + (("teacher_unet.",) if self.teacher_reloads else ())
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith(frozen)]:
+            if not (self.is_lora and "lora" in key):
+                del state[key]
+
+    # ------------------------------------------------------------------ networks
+
+    def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return encode_latents(self.vae, pixels, generator)
+
+    def text_conditions(self, batch: dict, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``encoder_hidden_states`` of the batch's captions and of the empty prompt (the null condition of CFG)."""
+        cond = self.conditioner(batch)["encoder_hidden_states"]
+        return cond, self.conditioner.null(n, device)["encoder_hidden_states"]
+
+    @torch.no_grad()
+    def teacher_forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, **unet_kwargs) -> torch.Tensor:
+        """The teacher's output at (x, t); a LoRA student's adapters are off meanwhile."""
+        lora = self.teacher_unet is self.student
+        if lora:
+            self.student.disable_adapters()
+        try:
+            return self.teacher_unet(x, t, encoder_hidden_states=cond, **unet_kwargs).sample
+        finally:
+            if lora:
+                self.student.enable_adapters()
+
+    def teacher_cond_uncond(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
+                            uncond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's conditional and unconditional outputs at (x, t), from one batched pass (what ``cfg`` mixes)."""
+        return self.teacher_forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([cond, uncond])).chunk(2)
+
+    # ------------------------------------------------------------------ objective
+
+    def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The method's training objective on ``batch``; randomness from ``generator`` (None: the global RNG)."""
+        raise NotImplementedError
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        n = batch["pixel_values"].shape[0]
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=n)
+        return self.add_student_aux_loss(loss, n)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        # fixed noise, timesteps and guidance scales: the held-out loss is comparable across steps and runs
+        loss = self.loss(batch, torch.Generator().manual_seed(1000 + batch_idx))
+        self.log("val/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0], sync_dist=True)
+        return loss
+
+    # ------------------------------------------------------------------ sampling and export
+
+    @property
+    def num_inference_steps(self) -> int:
+        """The step count the student is meant to sample with."""
+        raise NotImplementedError
+
+    def sampling_scheduler(self, name: str | None = None):
+        """The scheduler the student samples with (``name`` None: the method's own)."""
+        raise NotImplementedError
+
+    def call_defaults(self) -> dict:
+        """The intended call: ``num_inference_steps``; the configured guidance as the student's w input, or, for a
+        student without one, guidance 1 and no CFG pass, the guidance being distilled into it."""
+        return {"default_num_inference_steps": self.num_inference_steps,
+                "default_guidance_scale": self.sampling["guidance_scale"] if self.w_dim is not None else 1.0,
+                "guidance_distilled": self.w_dim is None}
+
+    def pipeline(self, scheduler: str | None = None):
+        """The student as an in-memory distill text-to-image pipeline with the export's call defaults
+        (``call_defaults``), sampling with ``sampling_scheduler(scheduler)``."""
+        sched = self.sampling_scheduler(scheduler)
+        return text_to_image_pipeline(self.vae, self.conditioner, self.student, sched, **self.call_defaults())
+
+    def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
+                 guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
+        return pipeline_images(self.pipeline(scheduler), batch["caption"], generator, num_inference_steps, guidance_scale)
+
+    def guidance_source(self) -> str:
+        """Which classifier-free guidance the student learned, e.g. "the teacher's classifier-free guidance at
+        scales drawn from [2.0, 6.0]"."""
+        raise NotImplementedError
+
+    def guidance_note(self) -> str:
+        """How the student takes guidance, for distill.json and the model card."""
+        if self.w_dim is not None:
+            return (f"distilled from {self.guidance_source()}, taken as an input (the embedding of guidance_scale - 1 "
+                    "through timestep_cond): one UNet evaluation per step at any scale in that range, never a CFG pass.")
+        return (f"distilled from {self.guidance_source()}, without a guidance input: the one UNet evaluation per step is "
+                "already guided; no CFG pass is run and guidance_scale has no effect.")
+
+    def export_info(self) -> dict:
+        """The method's own entries of distill.json."""
+        return {}
+
+    def save_pipeline(self, pipe, out_dir: Path) -> str:
+        """Save ``pipe`` to ``out_dir``; returns the student's description. A LoRA student is saved also alone
+        (lora/pytorch_lora_weights.safetensors, for ``pipe.load_lora_weights`` on the teacher); the full pipeline
+        holds a copy with the adapters merged into the weights and removed."""
+        student = type(self.student).__name__
+        if self.is_lora:
+            from diffusers import StableDiffusionPipeline
+            from diffusers.utils import convert_state_dict_to_diffusers
+            from peft.utils import get_peft_model_state_dict
+
+            lora = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.student))
+            StableDiffusionPipeline.save_lora_weights(out_dir / "lora", unet_lora_layers=lora, safe_serialization=True)
+            merged = copy.deepcopy(self.student)
+            merged.fuse_lora()
+            merged.unload_lora()
+            pipe.register_modules(unet=merged)
+            student += " with its LoRA adapters merged (adapters alone in lora/)"
+        pipe.save_pretrained(out_dir)
+        return student
+
+    def export(self, out_dir: str | Path) -> Path:
+        """A distill text-to-image pipeline folder (``pipeline``, its call defaults registered) with distill.json and
+        a model card stating the intended call and how the guidance was distilled."""
+        from distill.inference.model_card import call_info, write_export_info
+
+        out_dir = Path(out_dir)
+        pipe = self.pipeline()
+        student = self.save_pipeline(pipe, out_dir)
+        defaults = self.call_defaults()
+        info = {"method": self.method_name, "teacher": self.teacher_source, "student": student,
+                "pipeline": type(pipe).__name__,
+                "sampling": call_info(type(pipe.scheduler).__name__, defaults["default_num_inference_steps"],
+                                      defaults["default_guidance_scale"], cfg_pass=False),
+                "guidance": self.guidance_note(), "guidance_distilled": defaults["guidance_distilled"],
+                **self.export_info()}
+        return write_export_info(out_dir, info)
