@@ -35,6 +35,7 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     from hydra.utils import instantiate
 
     from distill.config.schema import EVALUATE_NFE
+    from distill.config.validate import missing_keys
     from distill.inference.loading import load_pipeline, pipeline_defaults
     from distill.inference.schedulers import SCHEDULERS
     from distill.metrics.fid import describe
@@ -47,6 +48,10 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         write_csv,
     )
 
+    missing = missing_keys(cfg)
+    if missing:
+        raise ValueError(f"required value(s) missing: {', '.join(missing)}; set them on the command line, e.g. "
+                         f"{missing[0]}=...")
     names = list(cfg.schedulers) if cfg.schedulers else [cfg.scheduler.name]
     for name in names:
         if name not in SCHEDULERS:

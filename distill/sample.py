@@ -31,6 +31,11 @@ def default_prompts(cfg: DictConfig) -> list[str]:
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
+    from distill.config.validate import missing_keys
+
+    missing = missing_keys(cfg)
+    if missing:
+        raise ValueError(f"required value(s) missing: {', '.join(missing)}; set them, or give prompts=[...]")
     try:
         return instantiate(cfg.eval).prompts()[0][:10]
     except InstantiationException as err:

@@ -249,6 +249,9 @@ def test_bad_eval_config_fails_before_any_model_is_built(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={tmp_path}", "eval.reference=/no/such",
                            f"hydra.run.dir={tmp_path / 'o'}"], capture_output=True, text=True)
     assert proc.returncode == 2 and "eval.reference='/no/such'" in proc.stderr and "model_index" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={tmp_path}", "eval=files",
+                           f"hydra.run.dir={tmp_path / 'o'}"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "eval.prompts_file=" in proc.stderr and "model_index" not in proc.stderr
 
 
 # ---------------------------------------------------------------- any SD-format model on any captioned folder

@@ -10,7 +10,13 @@ from distill.data import DigitsDataModule
 from distill.metrics.cost import NFECounter, count_flops, measure_cost
 from distill.metrics.fid import FID, FeatureNet, frechet_distance, gaussian_statistics
 from distill.metrics.registry import proportion_standard_error, standard_error
-from distill.metrics.report import differ_beyond_uncertainty, format_table, format_uncertain, pareto_front, write_csv
+from distill.metrics.report import (
+    differ_beyond_uncertainty,
+    format_table,
+    format_uncertain,
+    pareto_front,
+    write_csv,
+)
 
 
 class RandomFeatures(nn.Module):

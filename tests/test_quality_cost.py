@@ -34,11 +34,22 @@ def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
         p = float(r["prompt_accuracy"])  # the standard error of a proportion over the 20 samples
         assert float(r["prompt_accuracy_std"]) == pytest.approx((p * (1 - p) / 20) ** 0.5)
         assert float(r["fid_std"]) > 0 and float(r["clip_score_std"]) > 0
+    # The numbers of the code before the evaluation set existed (commit e50d8c1, same command with
+    # schedulers=[ddim]): eval=digits is that protocol.
+    before = {"1": (249.04693748961682, 5.511684655848239, 17.666828155517578, 4.776669244087328, 0.05),
+              "2": (249.62473128007315, 5.45432388875431, 18.74188232421875, 5.112400745136742, 0.05)}
+    for r in rows[:2]:
+        measured = [float(r[k]) for k in ("fid", "fid_std", "clip_score", "clip_score_std", "prompt_accuracy")]
+        assert measured == pytest.approx(before[r["steps"]], rel=1e-4)
+        assert 0 < float(r["kid_std"]) and abs(float(r["kid"])) < 1e3
     assert "±" in (out / "table.md").read_text()
     assert (out / "pareto.png").stat().st_size > 1000
     assert len(list((out / "grids").glob("tiny-*.png"))) == 4
     protocol = json.loads((out / "protocol.json").read_text())
-    assert protocol["num_samples"] == 20 and protocol["real_data_floor"] > protocol["real_data_floor_std"] > 0
+    assert protocol["num_samples"] == 20 and protocol["eval"] == "digits" and protocol["metrics"] == [
+        "fid", "kid", "clip_score", "prompt_accuracy"]
+    assert (protocol["real_data_floor"], protocol["real_data_floor_std"]) == pytest.approx(
+        (8.856545011544767, 1.3143815379493742), rel=1e-9)  # as before
     assert "real-data floor" in proc.stdout
     # The reference statistics were cached under $HOME for the next run.
     assert list((tmp_path / ".cache" / "distill" / "fid_reference").glob("*.pt"))
@@ -158,8 +169,8 @@ def test_teacher_follows_the_trained_parameter_of_a_lora_like_student():
 
 
 def test_fid_bootstrap_strata_are_labels_else_prompt_ids():
-    from distill.metrics.fid import PenultimateFeatures
     from distill.metrics.eval_set import draw_like
+    from distill.metrics.fid import PenultimateFeatures
     from distill.metrics.quality_cost import prompt_strata
     from distill.models.classifier import DigitClassifier
 

@@ -351,7 +351,7 @@ class EvalConfig:
     metrics: list[str] = field(default_factory=lambda: ["fid", "kid", "clip_score", "prompt_accuracy"])
     fid_bootstrap: int = 50  # resamples of the generated set for each FID's spread (fid_std)
     kid_subsets: int = 100  # KID: subsets averaged (kid_std is their spread)
-    kid_subset_size: int = 1000  # KID: samples per subset (capped at the smaller set)
+    kid_subset_size: int = 1000  # KID: samples per subset (capped at half the smaller set)
 
 
 # ---------------------------------------------------------------- top level

@@ -10,8 +10,9 @@ Nothing is loaded before it is used: a sample grid needs only the prompts.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,13 +133,7 @@ class EvalSet:
                 prompts = [line.strip() for line in Path(self.prompts_file).read_text().splitlines() if line.strip()]
                 labels = self.label_list
             else:
-                _, captions, data_labels = self.heldout()
-                first = {}
-                for i, caption in enumerate(captions):
-                    first.setdefault(caption, i)
-                prompts = list(first)
-                labelled = bool((data_labels >= 0).all())
-                labels = [int(data_labels[i]) for i in first.values()] if labelled else None
+                prompts, labels = self._data_prompts()
             if self.num_prompts is not None:
                 prompts, labels = prompts[:self.num_prompts], labels[:self.num_prompts] if labels is not None else None
             if not prompts:
@@ -169,27 +164,48 @@ class EvalSet:
         return self.data.val_dataloader() if split == "heldout" else self.data.train_dataloader()
 
     @staticmethod
-    def _collect(source, indices: Sequence[int] | None = None, limit: int | None = None):
-        """Images (N, C, H, W), captions (N,) and labels (N,) of dataset items (``indices``), or of a loader's
-        batches (the first ``limit`` items)."""
+    def _items(source, indices: Sequence[int] | None = None) -> Iterator[dict]:
+        """Items (``pixel_values``, ``caption``, ``label``) of a dataset (at ``indices``) or of a loader's batches."""
         if not isinstance(source, DataLoader):
-            items = [source[i] for i in (indices if indices is not None else range(len(source)))]
-            images = torch.stack([item["pixel_values"] for item in items])
-            return images, [item["caption"] for item in items], torch.tensor([int(item["label"]) for item in items])
-        images, captions, labels = [], [], []
+            yield from (source[i] for i in (indices if indices is not None else range(len(source))))
+            return
         for batch in source:
-            images.append(batch["pixel_values"])
-            captions += list(batch["caption"])
-            labels.append(torch.as_tensor(batch["label"]))
-            if limit is not None and len(captions) >= limit:
+            labels = torch.as_tensor(batch["label"])
+            for i, caption in enumerate(batch["caption"]):
+                yield {"pixel_values": batch["pixel_values"][i], "caption": caption, "label": int(labels[i])}
+
+    def _collect(self, items: Iterable[dict], limit: int | None = None, chunk: int = 256):
+        """Images (N, C, R, R) at the evaluation resolution (resized a chunk at a time, so that only the resized
+        images are held), captions (N,) and labels (N,) of the first ``limit`` ``items``."""
+        images, pending, captions, labels = [], [], [], []
+        for item in itertools.islice(items, limit):
+            pending.append(item["pixel_values"])
+            captions.append(item["caption"])
+            labels.append(int(item["label"]))
+            if len(pending) == chunk:
+                images.append(self._resized(torch.stack(pending)))
+                pending = []
+        if pending:
+            images.append(self._resized(torch.stack(pending)))
+        if not images:
+            return torch.empty(0, self.channels, self.resolution, self.resolution), [], torch.empty(0, dtype=torch.long)
+        return torch.cat(images), captions, torch.tensor(labels)
+
+    def _data_prompts(self) -> tuple[list[str], list[int] | None]:
+        """The first ``num_prompts`` distinct captions of the held-out split (only as many items are read) and
+        the label of each (None unless every one is labelled)."""
+        first: dict[str, int] = {}
+        for item in self._items(self._split("heldout")):
+            first.setdefault(item["caption"], int(item["label"]))
+            if self.num_prompts is not None and len(first) >= self.num_prompts:
                 break
-        images, labels = torch.cat(images), torch.cat(labels)
-        return images[:limit], captions[:limit], labels[:limit]
+        labelled = bool(first) and all(label >= 0 for label in first.values())
+        return list(first), list(first.values()) if labelled else None
 
     def heldout(self) -> tuple[torch.Tensor, list[str], torch.Tensor]:
-        """The data module's held-out images, captions and labels (-1: unlabelled), loaded once."""
+        """The data module's held-out images at the evaluation resolution, captions and labels (-1: unlabelled)."""
         if self._heldout is None:
-            self._heldout = self._collect(self._split("heldout"))
+            self._heldout = self._collect(self._items(self._split("heldout")))
         return self._heldout
 
     def reference_images(self) -> tuple[torch.Tensor, str]:
@@ -210,7 +226,7 @@ class EvalSet:
                     images.append(image_to_tensor(image, self.resolution, self.channels))
             images = torch.stack(images)
         else:
-            images = self._resized(self.heldout()[0])
+            images = self.heldout()[0]
             if len(images) < 2:
                 raise ValueError(f"the held-out split of eval.data holds {len(images)} image(s); FID needs at least 2: "
                                  "raise data.heldout_fraction or set eval.reference=<folder>")
@@ -224,16 +240,16 @@ class EvalSet:
             return None
         source = self._split("train")
         generator = torch.Generator().manual_seed(0)
+        indices, limit = None, count
         if not isinstance(source, DataLoader):
             labels = getattr(source, "labels", None)
             if wanted_labels is not None and labels is not None:
-                indices = draw_like(torch.as_tensor(labels), wanted_labels, generator)
+                indices = draw_like(torch.as_tensor(labels), wanted_labels, generator).tolist()
             else:
-                indices = torch.randperm(len(source), generator=generator)[:count]
-            images, _, labels = self._collect(source, indices.tolist())
-        else:
-            images, _, labels = self._collect(source, limit=count)
-        return self._resized(images), labels if wanted_labels is not None and bool((labels >= 0).all()) else None
+                indices = torch.randperm(len(source), generator=generator)[:count].tolist()
+            limit = None
+        images, _, labels = self._collect(self._items(source, indices), limit)
+        return images, labels if wanted_labels is not None and bool((labels >= 0).all()) else None
 
     def _resized(self, images: torch.Tensor) -> torch.Tensor:
         if images.shape[-1] == self.resolution and images.shape[-2] == self.resolution:
