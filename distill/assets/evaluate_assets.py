@@ -17,7 +17,7 @@ from diffusers import AutoencoderKL
 
 from distill.assets import asset_path
 from distill.data.digits import DigitsDataModule
-from distill.methods.autoencoder import psnr
+from distill.assets.autoencoder import psnr
 from distill.models.classifier import DigitClassifier
 from distill.models.vae import encode_latents
 

@@ -80,7 +80,7 @@ class DiffusionMethodConfig:
 
 @dataclass
 class CLIPMethodConfig:
-    _target_: str = "distill.methods.clip.CLIPTraining"
+    _target_: str = "distill.assets.clip.CLIPTraining"
     tokenizer: Any = MISSING
     keep_caption_prob: float = 0.5
     max_shift: int = 0
@@ -91,7 +91,7 @@ class CLIPMethodConfig:
 
 @dataclass
 class ClassifierMethodConfig:
-    _target_: str = "distill.methods.classifier.ClassifierTraining"
+    _target_: str = "distill.assets.classifier.ClassifierTraining"
     max_translate: float = 0.0625
     max_rotate_deg: float = 10.0
     max_scale: float = 0.1
@@ -102,7 +102,7 @@ class ClassifierMethodConfig:
 
 @dataclass
 class VAEMethodConfig:
-    _target_: str = "distill.methods.autoencoder.VAETraining"
+    _target_: str = "distill.assets.autoencoder.VAETraining"
     recon_loss: str = "l1"
     kl_weight: float = 1e-4
     scale_max_batches: int = 64
