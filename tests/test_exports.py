@@ -221,7 +221,7 @@ def test_quality_cost_rows_of_training_go_into_each_exports_card(tiny_sd, tmp_pa
     method.round_index = 1
     method.export(tmp_path / "rounds" / "002-steps")
     row = {"model": "student", "scheduler": "ddim", "guidance_scale": 1.0, "nfe": 4.0, "fid": 9.0, "latency_s": 0.01}
-    callback = QualityCostCallback(teacher=None)
+    callback = QualityCostCallback(None, teacher=None)  # no evaluation set: only its history is read
     callback.history = [dict(row, steps=4, step=300, fid=7.5), dict(row, steps=4, step=200), dict(row, steps=2, step=600,
                                                                                                   fid=8.25)]
     _attach_quality_cost(SimpleNamespace(callbacks=[callback]), tmp_path)
