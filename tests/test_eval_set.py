@@ -78,12 +78,13 @@ def test_eval_digits_gives_the_numbers_of_the_code_before(tmp_path):
     words = "zero one two three four five six seven eight nine".split()
     assert evaluator.captions == [f"a handwritten digit {w}" for _ in range(5) for w in words]
     assert evaluator.labels.tolist() == list(range(10)) * 5
+    # Bit-identical on the machine that measured them; 1e-6 leaves room for other CPUs' float32 kernels.
     for key, value in BEFORE["floor"].items():
-        assert floor[key] == pytest.approx(value, rel=1e-9), key
+        assert floor[key] == pytest.approx(value, rel=1e-6), key
     for name, images in digits_samples(evaluator.labels).items():
         row = evaluator.quality(images)
         for key, value in BEFORE[name].items():
-            assert row[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (name, key)
+            assert row[key] == pytest.approx(value, rel=1e-6, abs=1e-12), (name, key)
         assert math.isfinite(row["kid"]) and row["kid_std"] > 0
     grid = eval_set.grid_batch(4)  # the sample-grid rows of before: each digit 0-9 four times
     assert grid["label"].tolist() == torch.arange(10).repeat_interleave(4).tolist()
