@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -52,7 +51,7 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         if self.is_lora and ema_decay > 0:
             raise ValueError("a LoRA student trains against a stop-gradient target; set method.ema_decay=0")
         # ema_decay = 0: the target is the student itself under stop-gradient (no copy kept).
-        self.target = copy.deepcopy(self.student).requires_grad_(False) if ema_decay > 0 else None
+        self.target = self.frozen_student_copy() if ema_decay > 0 else None
         self.ema_decay = ema_decay
         self.num_ddim_timesteps = num_ddim_timesteps
         self.loss_type, self.huber_c = loss_type, huber_c

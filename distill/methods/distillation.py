@@ -82,6 +82,10 @@ class TeacherStudentDistillation(DistillMethod):
 
     # ------------------------------------------------------------------ networks
 
+    def frozen_student_copy(self) -> nn.Module:
+        """A frozen copy of the student as it is now: a consistency target, the next progressive round's teacher."""
+        return copy.deepcopy(self.student).requires_grad_(False)
+
     def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return encode_latents(self.vae, pixels, generator)
 

@@ -15,7 +15,6 @@ student becomes the teacher and the step count halves. Classifier-free guidance 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -104,17 +103,20 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         while self.round_index < target:  # hand over: the student becomes the teacher
             self.finish_round()
 
+    def _export_round(self) -> None:
+        self.export(Path(self.trainer.default_root_dir) / "rounds" / f"{self.student_steps:03d}-steps")
+
     def finish_round(self) -> None:
         if self._trainer is not None and self.trainer.is_global_zero:
-            self.export(Path(self.trainer.default_root_dir) / "rounds" / f"{self.student_steps:03d}-steps")
-        self.teacher_unet = copy.deepcopy(self.student).requires_grad_(False).eval()
+            self._export_round()
+        self.teacher_unet = self.frozen_student_copy().eval()
         self.teacher_prediction_type = self.student_prediction_type
         self.guidance_scale = 1.0  # only the original teacher runs CFG; later teachers are students
         self.round_index += 1
 
     def on_train_end(self) -> None:
         if self.trainer.is_global_zero and not self.trainer.fast_dev_run:  # the last round's student
-            self.export(Path(self.trainer.default_root_dir) / "rounds" / f"{self.student_steps:03d}-steps")
+            self._export_round()
 
     @property
     def teacher_reloads(self) -> bool:
@@ -128,7 +130,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         info = checkpoint["progressive"]
         if info["round_index"] > self.first_round:  # the teacher of a later round is an earlier student
-            self.teacher_unet = copy.deepcopy(self.student).requires_grad_(False).eval()
+            self.teacher_unet = self.frozen_student_copy().eval()
         self.round_index, self.guidance_scale = info["round_index"], info["guidance_scale"]
         self.teacher_prediction_type = info["teacher_prediction_type"]
 
