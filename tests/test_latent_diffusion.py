@@ -80,7 +80,7 @@ def test_sample_command_writes_grid(tiny_sd, tmp_path):
         capture_output=True, text=True, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert Image.open(out).size == (4 * (2 * 33 + 1), 4 * (2 * 33 + 1))
+    assert Image.open(out).size == (4 * 2 * (32 + 2), 4 * 2 * (32 + 2))  # 2 x 2 tiles of 32 px, 1-px frames, x4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.png"]  # nothing else written
     bad = subprocess.run([sys.executable, "-m", "distill.sample", f"pipeline={tmp_path}"], capture_output=True, text=True)
     assert bad.returncode == 1 and "model_index.json" in bad.stderr
