@@ -348,7 +348,9 @@ class EvalConfig:
     feature: Any = None  # FID/KID features: a vision model folder or hub id (CLIP, DINOv2), a .pt, inception, a factory
     clip: str | None = None  # CLIPModel folder or hub id (with its tokenizer) for the CLIP score; null: skip
     classifier: Any = None  # a classifier (TorchScript .pt or a factory) reading each sample's label; null: skip
-    metrics: list[str] = field(default_factory=lambda: ["fid", "kid", "clip_score", "prompt_accuracy"])
+    extra_features: list[str] = field(default_factory=list)  # more FID/KID spaces: pixels, clip (fid_pixels, ... columns)
+    metrics: list[str] = field(default_factory=lambda: ["fid", "kid", "clip_score", "prompt_accuracy", "fid_pixels",
+                                                        "kid_pixels", "fid_clip", "kid_clip"])
     fid_bootstrap: int = 50  # resamples of the generated set for each FID's spread (fid_std)
     kid_subsets: int = 100  # KID: subsets averaged (kid_std is their spread)
     kid_subset_size: int = 1000  # KID: samples per subset (capped at half the smaller set)
@@ -419,6 +421,9 @@ class EvaluateConfig:
     grids: bool = True
     grid_seeds: int = 4
     cost_repeats: int = 3
+    sanity: bool = False  # instead of a sweep: the metric sensitivity suite on the eval set (distill.metrics.sanity)
+    sanity_images: int | None = None  # held-out images it uses (half reference, half degraded); null: all
+    sanity_strengths: dict[str, list[float]] | None = None  # degradation -> strengths; null: sanity.STRENGTHS
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

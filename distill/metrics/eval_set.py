@@ -3,7 +3,8 @@
 One object supplies the prompts (a list, a text file, or the captions of a data module's held-out split)
 with optional class labels, the reference images (a folder, the data module's held-out split, or
 precomputed ``.npz`` statistics), the real images of the data floor (the data module's training split),
-the feature network of FID and KID, the CLIP model of the CLIP score and a classifier for prompt accuracy.
+the feature network of FID and KID, the CLIP model of the CLIP score and a classifier for prompt accuracy,
+and optionally further feature spaces for FID and KID (``extra_features``: ``distill.metrics.feature_spaces``).
 Nothing is loaded before it is used: a sample grid needs only the prompts.
 """
 
@@ -13,12 +14,14 @@ import hashlib
 import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from distill.metrics.feature_spaces import EXTRA_FEATURE_SPACES, PIXEL_GRID, PixelFeatures
 from distill.metrics.fid import DEFAULT_CACHE, FID, processor_normalization
 
 log = logging.getLogger(__name__)
@@ -54,19 +57,23 @@ class EvalSet:
     def __init__(self, name: str, prompts: Sequence[str] | None = None, prompts_file: str | None = None,
                  labels: Sequence[int] | None = None, data: Any = None, num_prompts: int | None = None,
                  reference: str | None = None, channels: int = 3, resolution: int = 32, feature: Any = None,
-                 clip: str | None = None, classifier: Any = None,
-                 metrics: Sequence[str] = ("fid", "kid", "clip_score", "prompt_accuracy"), fid_bootstrap: int = 50,
-                 kid_subsets: int = 100, kid_subset_size: int = 1000, cache_dir: str | Path | None = DEFAULT_CACHE):
+                 clip: str | None = None, classifier: Any = None, extra_features: Sequence[str] = (),
+                 metrics: Sequence[str] = ("fid", "kid", "clip_score", "prompt_accuracy", "fid_pixels", "kid_pixels",
+                                           "fid_clip", "kid_clip"),
+                 fid_bootstrap: int = 50, kid_subsets: int = 100, kid_subset_size: int = 1000,
+                 cache_dir: str | Path | None = DEFAULT_CACHE):
         self.name, self.data, self.num_prompts = name, data, num_prompts
         self.prompt_list = list(prompts) if prompts is not None else None
         self.prompts_file, self.label_list = prompts_file, list(labels) if labels is not None else None
         self.reference, self.channels, self.resolution = reference, channels, resolution
         self.feature, self.clip, self.classifier = feature, clip, classifier
+        self.extra_features = list(extra_features)
         self.metrics, self.fid_bootstrap = list(metrics), fid_bootstrap
         self.kid_subsets, self.kid_subset_size, self.cache_dir = kid_subsets, kid_subset_size, cache_dir
         self._prompts: tuple[list[str], torch.Tensor | None] | None = None
         self._heldout: tuple[torch.Tensor, list[str], torch.Tensor] | None = None
-        self._fid: FID | None = None
+        self._reference: tuple[torch.Tensor, str] | None = None
+        self._fids: dict[str, FID] = {}  # per feature space: "feature" (eval.feature), then the extra ones
         self._clip = None
         self._classifier = None
         self.reference_key: str | None = None
@@ -116,6 +123,17 @@ class EvalSet:
             if isinstance(spec, str) and spec != "inception" and _looks_local(spec) and not Path(spec).expanduser().exists():
                 raise ValueError(f"eval.{key}={spec!r} does not exist; give a local model folder or file, a hub id "
                                  f"(owner/name), or eval.{key}=null")
+        unknown = [s for s in self.extra_features if s not in EXTRA_FEATURE_SPACES]
+        if unknown:
+            raise ValueError(f"eval.extra_features={self.extra_features} holds unknown {unknown}; use some of "
+                             f"{list(EXTRA_FEATURE_SPACES)}")
+        if "clip" in self.extra_features and self.clip is None:
+            raise ValueError("eval.extra_features holds 'clip' (the CLIP image tower) but eval.clip is not set; set "
+                             "eval.clip=<CLIP model folder or hub id> or drop 'clip'")
+        if self.extra_features and self.reference is not None and str(self.reference).endswith(".npz"):
+            raise ValueError(f"eval.extra_features={self.extra_features} needs reference images, but "
+                             f"eval.reference={self.reference!r} holds statistics in eval.feature's space only; point "
+                             "eval.reference at a folder of images, or set eval.extra_features=[]")
         if needs_fid and (self.feature is None or "fid" not in self.metrics):
             raise ValueError("the quality-cost sweep measures FID, but " + (
                 "eval.feature is not set; set eval.feature=<a CLIP/DINOv2 vision model folder or hub id, or a "
@@ -259,22 +277,39 @@ class EvalSet:
 
     # ------------------------------------------------------------------ measuring networks
 
-    def fid(self) -> FID:
-        """The FID of this set's feature network with the reference loaded (statistics cached on disk)."""
-        if self._fid is None:
-            if self.feature is None:
+    def feature_spec(self, space: str = "feature") -> Any:
+        """The feature network of ``space``: "feature" (``eval.feature``) or one of ``EXTRA_FEATURE_SPACES``."""
+        if space == "feature":
+            return self.feature
+        if space == "pixels":
+            return partial(PixelFeatures, size=PIXEL_GRID)  # the size named in the reference cache's key
+        if space == "clip":
+            return self.clip
+        raise ValueError(f"feature space {space!r} is unknown; use 'feature' or one of {list(EXTRA_FEATURE_SPACES)}")
+
+    def fid(self, space: str = "feature") -> FID:
+        """The FID in ``space`` (see ``feature_spec``) with the reference loaded (statistics cached on disk)."""
+        if space not in self._fids:
+            if self.feature_spec(space) is None:
                 raise ValueError("eval.feature is not set; FID and KID need a feature network (a CLIP/DINOv2 vision "
-                                 "model folder or hub id, or a TorchScript .pt file)")
+                                 "model folder or hub id, or a TorchScript .pt file)" if space == "feature" else
+                                 f"the {space!r} feature space needs eval.{space}; set it or drop {space!r} from "
+                                 "eval.extra_features")
             if self.reference is not None and str(self.reference).endswith(".npz"):
+                if space != "feature":
+                    raise ValueError(f"eval.reference={self.reference!r} holds statistics in eval.feature's space only; "
+                                     f"FID in the {space!r} space needs reference images")
                 fid = FID(self.feature, cache_dir=self.cache_dir, input_shape=(self.channels, self.resolution, self.resolution))
                 fid.set_reference_statistics(Path(self.reference).expanduser())
                 self.reference_key = f"{self.name}-stats-{Path(self.reference).name}"
             else:
-                images, self.reference_key = self.reference_images()
-                fid = FID(self.feature, cache_dir=self.cache_dir, input_shape=tuple(images.shape[1:]))
+                if self._reference is None:  # read once for every feature space
+                    self._reference = self.reference_images()
+                images, self.reference_key = self._reference
+                fid = FID(self.feature_spec(space), cache_dir=self.cache_dir, input_shape=tuple(images.shape[1:]))
                 fid.set_reference(images, self.reference_key)
-            self._fid = fid
-        return self._fid
+            self._fids[space] = fid
+        return self._fids[space]
 
     def clip_model(self):
         """(CLIPModel, CLIPTokenizer, image mean, image std) of ``clip``, or None."""
@@ -299,7 +334,10 @@ class EvalSet:
         return self._classifier
 
     def available(self, need: str) -> bool:
-        """Whether the input a metric needs ("feature", "clip", "classifier", "labels") is there."""
+        """Whether the input a metric needs ("feature", "clip", "classifier", "labels", or "features:<space>" for
+        an extra feature space) is there."""
         if need == "labels":
             return self.prompts()[1] is not None
+        if need.startswith("features:"):
+            return need.removeprefix("features:") in self.extra_features
         return getattr(self, need) is not None

@@ -77,9 +77,10 @@ class FIDMetric(Metric):
     """FID against the reference; its std is the stratified bootstrap over the samples (reference fixed)."""
 
     name, label, needs, real_data = "fid", "FID", ("feature",), True
+    space: ClassVar[str] = "feature"  # the evaluation set's feature space (``EvalSet.feature_spec``)
 
     def __call__(self, samples: Samples) -> tuple[float, float]:
-        fid = self.eval_set.fid()
+        fid = self.eval_set.fid(self.space)
         features = samples.features(fid)
         return fid.from_features(features), fid.bootstrap_std(features, self.eval_set.fid_bootstrap, self.seed,
                                                               samples.strata)
@@ -90,11 +91,12 @@ class KIDMetric(Metric):
     """KID against the reference features (unbiased at any sample count); its std is the spread over subsets."""
 
     name, label, needs, real_data = "kid", "KID", ("feature",), True
+    space: ClassVar[str] = "feature"
 
     def __call__(self, samples: Samples) -> tuple[float, float]:
         from distill.metrics.kid import kernel_inception_distance
 
-        fid = self.eval_set.fid()
+        fid = self.eval_set.fid(self.space)
         features = samples.features(fid)
         if fid.reference_features is None:
             return math.nan, math.nan  # statistics-only reference (.npz without features)
@@ -138,6 +140,38 @@ class PromptAccuracyMetric(Metric):
         logits = torch.cat([classifier(chunk) for chunk in samples.images.split(256)])
         accuracy = (logits.argmax(1) == samples.labels.to(logits.device)).float().mean().item()
         return accuracy, proportion_standard_error(accuracy, len(samples.images))
+
+
+# FID and KID in the extra feature spaces (``eval.extra_features``, ``distill.metrics.feature_spaces``): a
+# column each, measured only where the space is selected.
+
+
+@register_metric
+class PixelFIDMetric(FIDMetric):
+    """FID of the low-resolution pixels (``eval.extra_features=[pixels]``)."""
+
+    name, label, needs, space = "fid_pixels", "FID-pix", ("features:pixels",), "pixels"
+
+
+@register_metric
+class PixelKIDMetric(KIDMetric):
+    """KID of the low-resolution pixels (``eval.extra_features=[pixels]``)."""
+
+    name, label, needs, space = "kid_pixels", "KID-pix", ("features:pixels",), "pixels"
+
+
+@register_metric
+class CLIPFIDMetric(FIDMetric):
+    """FID in the CLIP model's image embedding (``eval.extra_features=[clip]``)."""
+
+    name, label, needs, space = "fid_clip", "FID-clip", ("features:clip",), "clip"
+
+
+@register_metric
+class CLIPKIDMetric(KIDMetric):
+    """KID in the CLIP model's image embedding (``eval.extra_features=[clip]``)."""
+
+    name, label, needs, space = "kid_clip", "KID-clip", ("features:clip",), "clip"
 
 
 def build_metrics(eval_set, seed: int = 0) -> list[Metric]:
