@@ -7,8 +7,8 @@ import torch
 from diffusers import AutoencoderKL
 
 from distill.assets import asset_path
-from distill.assets.evaluate_assets import classifier_accuracy, heldout_digits, reconstruct
 from distill.assets.classifier import random_affine
+from distill.assets.evaluate_assets import classifier_accuracy, heldout_digits, reconstruct
 from distill.models.classifier import DigitClassifier
 from distill.models.vae import (
     build_vae,

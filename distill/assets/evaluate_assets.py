@@ -16,8 +16,8 @@ import torch
 from diffusers import AutoencoderKL
 
 from distill.assets import asset_path
-from distill.data.digits import DigitsDataModule
 from distill.assets.autoencoder import psnr
+from distill.data.digits import DigitsDataModule
 from distill.models.classifier import DigitClassifier
 from distill.models.vae import encode_latents
 
