@@ -4,12 +4,17 @@ sample grids.
     python -m distill.evaluate pipeline=<dir or hub id> scheduler=dpmsolver nfe=[1,2,4,8,25,50]
     python -m distill.evaluate schedulers=[ddim,dpmsolver,euler] num_per_class=50
     python -m distill.evaluate pipeline=<dir> data=imagefolder data.root=<images> eval.feature=<vision model>
+    python -m distill.evaluate sanity=true eval.extra_features=[pixels,clip]   # does each metric see known defects?
 
 Protocol: the evaluation set (config group ``eval``, following ``data`` by default) gives the prompts,
 ``num_per_class`` samples of each with fixed seeds; every registered metric (FID and KID in the set's
 feature space against its reference, CLIP score, prompt accuracy where the set has labels and a classifier)
 with its uncertainty; the real-data floor is the same metrics of real training images, as many of each
 label as the prompts ask, against the reference.
+
+``sanity=true`` runs the metric sensitivity suite (``distill.metrics.sanity``) instead of a sweep: real
+held-out images of the evaluation set degraded at several strengths (blur, noise, brightness, contrast,
+dropped classes, collapsed diversity), every distance in every feature space; no pipeline is loaded.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from distill.config.schema import register_configs
 from distill.utils.loggers import register_resolvers
@@ -107,11 +112,39 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     return rows
 
 
+def sanity(cfg: DictConfig, out_dir: Path) -> list[dict]:
+    """The metric sensitivity suite on ``cfg.eval``: sanity.csv, sanity_verdicts.csv, sanity.md, sanity.png."""
+    from hydra.utils import instantiate
+
+    from distill.config.validate import missing_keys
+    from distill.metrics.sanity import check_strengths, run_sanity
+
+    missing = [key for key in missing_keys(cfg) if key != "pipeline"]
+    if missing:
+        raise ValueError(f"required value(s) missing: {', '.join(missing)}; set them on the command line, e.g. "
+                         f"{missing[0]}=...")
+    strengths = OmegaConf.to_container(cfg.sanity_strengths)
+    check_strengths(strengths)  # before anything is loaded
+    if cfg.sanity_images is not None and cfg.sanity_images < 8:
+        raise ValueError(f"sanity_images={cfg.sanity_images} must be >= 8 (half reference, half probes) or null (all)")
+    try:
+        eval_set = instantiate(cfg.eval)
+    except InstantiationException as err:
+        raise ValueError(str(err.__cause__ or err)) from err
+    rows, _ = run_sanity(eval_set, out_dir, strengths, cfg.sanity_images, cfg.seed)
+    print((out_dir / "sanity.md").read_text())
+    print(f"results in {out_dir}")
+    return rows
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        sweep(cfg, out_dir)
+        if cfg.sanity:
+            sanity(cfg, out_dir)
+        else:
+            sweep(cfg, out_dir)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -423,7 +423,8 @@ class EvaluateConfig:
     cost_repeats: int = 3
     sanity: bool = False  # instead of a sweep: the metric sensitivity suite on the eval set (distill.metrics.sanity)
     sanity_images: int | None = None  # held-out images it uses (half reference, half degraded); null: all
-    sanity_strengths: dict[str, list[float]] | None = None  # degradation -> strengths; null: sanity.STRENGTHS
+    # +sanity_strengths.<degradation>=[...] replaces its default strengths (distill.metrics.sanity); [] skips it
+    sanity_strengths: dict[str, Any] = field(default_factory=dict)  # lists of numbers, checked by the suite
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
