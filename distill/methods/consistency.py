@@ -18,7 +18,7 @@ from distill.diffusion.consistency import (
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
 from distill.models.teacher import Teacher
-from distill.utils.optim import has_gradients
+from distill.utils.optim import ema_update_, has_gradients
 
 
 class LatentConsistencyDistillation(TeacherStudentDistillation):
@@ -122,10 +122,8 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         if self.target is not None and has_gradients(self.student):
             self._update_target()
 
-    @torch.no_grad()
     def _update_target(self) -> None:
-        for p_target, p_student in zip(self.target.parameters(), self.student.parameters()):
-            p_target.lerp_(p_student, 1.0 - self.ema_decay)
+        ema_update_(self.target, self.student, 1.0 - self.ema_decay, buffers=False)
 
     # ------------------------------------------------------------------ sampling and export
 
