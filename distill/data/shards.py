@@ -28,7 +28,11 @@ def _expand(pattern: str) -> list[str]:
 
 
 class WebDatasetDataModule(L.LightningDataModule):
-    """Streams shards: shuffled by shard and in a buffer for training, in order for evaluation."""
+    """Streams shards: shuffled by shard and in a buffer for training, in order for evaluation.
+
+    Not resumable mid-epoch (a resume restarts the stream): a stream has no length, so Lightning's fetcher
+    prefetches one batch from it, and a stream state saved through StatefulDataLoader would count that batch as
+    trained and skip it on resume. The sized data modules (distill.data.resumable) resume exactly."""
 
     def __init__(
         self,
