@@ -131,6 +131,13 @@ def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", fl
     ax.set_ylabel(y.upper() if y == "fid" else y)
     ax.set_title(title)
     ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -359,12 +359,9 @@ def plot(rows: list[dict], path: Path, title: str = "metric sensitivity") -> Pat
             ax.tick_params(labelsize=7)
         axes[i][0].legend(fontsize=6)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    from distill.metrics.report import save_figure
+
+    return save_figure(fig, path)
 
 
 def run_sanity(eval_set, out_dir: Path, strengths: Mapping[str, Sequence[float]] | None = None,
