@@ -46,7 +46,7 @@ def default_prompts(cfg: DictConfig) -> list[str]:
 def main(cfg: DictConfig) -> None:
     from distill.inference.loading import load_pipeline, pipeline_defaults
     from distill.inference.pipelines import DistillClassPipeline
-    from distill.inference.schedulers import SCHEDULERS, make_scheduler
+    from distill.inference.schedulers import SCHEDULERS, make_scheduler, scheduler_options
     from distill.metrics.report import save_grid
 
     if cfg.sampler is not None and cfg.sampler not in SCHEDULERS:
@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> None:
         sys.exit(f"error: {err}")
     pipe.set_progress_bar_config(disable=True)
     if cfg.sampler is not None:
-        pipe.scheduler = make_scheduler(cfg.sampler, pipe.scheduler.config)
+        pipe.scheduler = make_scheduler(cfg.sampler, pipe.scheduler.config, **scheduler_options(cfg.sampler))
     defaults = pipeline_defaults(cfg.pipeline)
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
     steps = cfg.num_inference_steps or defaults.get("num_inference_steps")
