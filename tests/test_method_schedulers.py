@@ -44,7 +44,11 @@ def test_an_exports_own_scheduler_is_kept_by_sweeps(tmp_path):
     method = ProgressiveDistillation(teacher, lambda u: copy_student(u), torch.optim.AdamW, start_steps=64,
                                      final_steps=16)
     pipe = method.pipeline()
-    assert isinstance(PipelineSampler(pipe, own="ddim").scheduler("ddim"), GridDDIMScheduler)
+    from distill.inference.loading import pipeline_defaults
+
+    own = pipeline_defaults(method.export(tmp_path / "export"))["name"]  # what distill.evaluate passes
+    assert own == "ddim"
+    assert isinstance(PipelineSampler(pipe, own=own).scheduler("ddim"), GridDDIMScheduler)
     off_grid = PipelineSampler(pipe).scheduler("ddim")  # what a sweep used to build: diffusers' DDIM
     off_grid.set_timesteps(32)
     ours = PipelineSampler(pipe, own="ddim").scheduler("ddim")

@@ -1,7 +1,5 @@
 """Review of issue 12's fixes: what a fresh pass over the current code found still wrong.
 
-The first test is marked ``xfail(strict=True)`` until the fix lands (it then fails as XPASS: drop the mark).
-
 A progressive export's own sampler (``GridDDIMScheduler``, the training (t, t_prev) pairs, the last step to the
 clean sample) must survive the sweeps that judge the export: ``distill.evaluate`` and the quality-cost
 callback's teacher build their ``PipelineSampler`` with ``own=pipeline_defaults(folder).get("name")``
@@ -30,14 +28,14 @@ def progressive_export(tmp_path_factory):
     return method.eval().export(root / "export")
 
 
-@pytest.mark.xfail(strict=True, reason="open: distill.json records the scheduler class name, PipelineSampler compares the sweep's short name (review of issue 12); remove this mark with the fix")
 @pytest.mark.parametrize("steps", [4, 16, 32])
 def test_evaluate_sweeps_a_progressive_export_on_its_training_grid(progressive_export, steps):
     """The sampler exactly as distill.evaluate builds it (scheduler group ddim with its conf options, the export's
     distill.json for ``own``): "ddim" visits t_i = floor(i T / N) - 1 and its last step returns the clean sample.
-    Today distill.json records the class name ("GridDDIMScheduler"), which never equals the sweep's "ddim", so the
-    sweep falls back to diffusers' DDIM: off by one at 16 and 32 steps, and with this SD-style config
-    (set_alpha_to_one=False) the last step stops at alphas_cumprod[0] (sigma ~0.03) at every step count."""
+    distill.json used to record the class name ("GridDDIMScheduler"), which never equals the sweep's "ddim", so the
+    sweep fell back to diffusers' DDIM: off by one at 16 and 32 steps, and with this SD-style config
+    (set_alpha_to_one=False) the last step stopped at alphas_cumprod[0] (sigma ~0.03) at every step count."""
+    assert pipeline_defaults(progressive_export)["class"] == "GridDDIMScheduler"
     pipe = load_pipeline(str(progressive_export))
     sampler = PipelineSampler(pipe, {"ddim": scheduler_options("ddim")},
                               own=pipeline_defaults(progressive_export).get("name"))

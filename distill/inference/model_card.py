@@ -12,10 +12,14 @@ from pathlib import Path
 INFO_FILE = "distill.json"
 
 
-def call_info(scheduler: str, num_inference_steps: int, guidance_scale: float, cfg_pass: bool) -> dict:
-    """The intended call of a pipeline: ``cfg_pass`` when it runs a second (unconditional) UNet pass a step."""
-    return {"name": scheduler, "num_inference_steps": int(num_inference_steps), "guidance_scale": float(guidance_scale),
-            "nfe_per_step": 2 if cfg_pass else 1}
+def call_info(scheduler: str, scheduler_class: str, num_inference_steps: int, guidance_scale: float,
+              cfg_pass: bool) -> dict:
+    """The intended call of a pipeline: ``name`` is the scheduler's ``conf/scheduler`` name (what sweeps and
+    ``distill.sample sampler=`` call it, so that a sweep's row of that name keeps the export's own scheduler),
+    ``class`` the diffusers or distill class the folder holds; ``cfg_pass`` when it runs a second
+    (unconditional) UNet pass a step."""
+    return {"name": scheduler, "class": scheduler_class, "num_inference_steps": int(num_inference_steps),
+            "guidance_scale": float(guidance_scale), "nfe_per_step": 2 if cfg_pass else 1}
 
 
 def write_export_info(out_dir: str | Path, info: dict) -> Path:
@@ -90,7 +94,7 @@ Trained with `distill` (method `{info['method']}`{teacher}); the UNet is a `{inf
 ## Intended call
 
 `{info['pipeline']}` registers these defaults in `model_index.json`, so `pipe({_example(info)})` uses them:
-`num_inference_steps={steps}`, `guidance_scale={guidance}`, scheduler `{call['name']}`;
+`num_inference_steps={steps}`, `guidance_scale={guidance}`, scheduler `{call.get('class', call['name'])}`;
 {nfe} UNet evaluation(s) per step, {nfe * steps} per image.
 
 Guidance: {info['guidance']}

@@ -160,7 +160,8 @@ class DiffusionTraining(DistillMethod):
         info = {"method": "diffusion", "teacher": None, "student": type(self.student).__name__,
                 "pipeline": type(pipe).__name__, "conditioning": "text" if text else "class",
                 "prediction_type": self.prediction_type,
-                "sampling": call_info(type(pipe.scheduler).__name__, self.sampling["num_inference_steps"], guidance_scale,
+                "sampling": call_info(self.sampling["name"], type(pipe.scheduler).__name__,
+                                      self.sampling["num_inference_steps"], guidance_scale,
                                       cfg_pass=guidance_scale > 1 if text else guidance_scale != 1),
                 "guidance": (f"classifier-free guidance at sampling time (trained with condition dropout "
                              f"{self.cond_dropout}): guidance_scale={guidance_scale} runs a conditional and an "

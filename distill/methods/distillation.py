@@ -205,7 +205,8 @@ class TeacherStudentDistillation(DistillMethod):
         defaults = self.call_defaults()
         info = {"method": self.method_name, "teacher": self.teacher_source, "student": student,
                 "pipeline": type(pipe).__name__,
-                "sampling": call_info(type(pipe.scheduler).__name__, defaults["default_num_inference_steps"],
+                "sampling": call_info(self.sampling["name"], type(pipe.scheduler).__name__,
+                                      defaults["default_num_inference_steps"],
                                       defaults["default_guidance_scale"], cfg_pass=False),
                 "guidance": self.guidance_note(), "guidance_distilled": defaults["guidance_distilled"],
                 **self.export_info()}
