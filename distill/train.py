@@ -15,6 +15,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from distill.config.builds import plain_choices
 from distill.config.schema import register_configs
 from distill.config.validate import ConfigError, validate
 from distill.utils.loggers import register_resolvers
@@ -131,6 +132,7 @@ def run(cfg: DictConfig) -> dict:
         validate(cfg)
     except ConfigError as err:
         _fail(run_dir, str(err))
+    cfg = plain_choices(cfg)
 
     import lightning as L
     from hydra.errors import InstantiationException

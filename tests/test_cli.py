@@ -18,30 +18,38 @@ def test_cfg_job_prints_composed_config():
     assert "exp_name: debug" in proc.stdout and "max_steps: 4" in proc.stdout
 
 
+# Exit code 1: what Hydra rejects at composition (unknown key, wrong type, a value outside a fixed set of
+# choices); 2: what distill checks (distill.config.validate and the checks before any model is built).
 @pytest.mark.parametrize(
-    "overrides, code, needle",
+    "overrides, code, needles",
     [
-        (["trainer.max_step=3"], 1, "trainer.max_step"),  # typo: unknown key
-        (["data.batch_size=abc"], 1, "data.batch_size"),  # wrong type
-        (["method.cond_dropout=often"], 1, "method.cond_dropout"),
-        (["data=imagefolder"], 2, "data.root"),  # required value missing
-        (["method.prediction_type=flow"], 2, "method.prediction_type='flow'"),
-        (["scheduler.name=plms"], 2, "scheduler.name='plms'"),
-        (["method.cond_dropout=1.5"], 2, "method.cond_dropout=1.5"),
-        (["student.size=huge"], 2, "student.size='huge'"),
-        (["data.resolution=18"], 2, "not divisible"),
-        (["ckpt_path=/nonexistent/x.ckpt"], 2, "ckpt_path='/nonexistent/x.ckpt'"),
-        (["+exp=nonexistent"], 1, "nonexistent"),
-        (["+exp=consistency", "callbacks=none"], 2, "callbacks.quality_cost has settings but no _target_"),
-        (["+exp=consistency", "teacher.pretrained_model_name_or_path=/no/such/teacher"], 2, "/no/such/teacher"),
-        (["+exp=progressive_w", "student.time_cond_proj_dim=null"], 2, "time_cond_proj_dim"),
+        (["trainer.max_step=3"], 1, ["trainer.max_step"]),  # typo: unknown key
+        (["data.batch_size=abc"], 1, ["data.batch_size"]),  # wrong type
+        (["method.cond_dropout=often"], 1, ["method.cond_dropout"]),
+        (["callbacks.samples.num_seed=2"], 1, ["callbacks.samples.num_seed"]),  # typo in a callback's settings
+        (["data=imagefolder"], 2, ["data.root"]),  # required value missing
+        (["method.prediction_type=flow"], 1,
+         ["full_key: method.prediction_type", "Invalid value 'flow', expected one of [epsilon, sample, v_prediction]"]),
+        (["scheduler.name=plms"], 1,
+         ["full_key: scheduler.name", "'plms', expected one of [ddpm, ddim, dpmsolver, unipc, euler, heun, lcm, tcd]"]),
+        (["student.size=huge"], 1, ["full_key: student.size", "'huge', expected one of [debug, tiny, small, base]"]),
+        (["+exp=consistency", "method.loss_type=l1"], 1,
+         ["full_key: method.loss_type", "'l1', expected one of [l2, huber, pseudo_huber, pseudo_huber_elementwise]"]),
+        (["method.cond_dropout=1.5"], 2, ["method.cond_dropout=1.5"]),
+        (["data.resolution=18"], 2, ["not divisible"]),
+        (["ckpt_path=/nonexistent/x.ckpt"], 2, ["ckpt_path='/nonexistent/x.ckpt'"]),
+        (["+exp=nonexistent"], 1, ["nonexistent"]),
+        (["+exp=consistency", "callbacks=none"], 2, ["callbacks.quality_cost has settings but no _target_"]),
+        (["+exp=consistency", "teacher.pretrained_model_name_or_path=/no/such/teacher"], 2, ["/no/such/teacher"]),
+        (["+exp=progressive_w", "student.time_cond_proj_dim=null"], 2, ["time_cond_proj_dim"]),
     ],
 )
-def test_bad_config_fails_early_and_writes_nothing(tmp_path, overrides, code, needle):
+def test_bad_config_fails_early_and_writes_nothing(tmp_path, overrides, code, needles):
     run_dir = tmp_path / "run"
     proc = run_train(*overrides, f"hydra.run.dir={run_dir}", "logger=csv", timeout=120)
     assert proc.returncode == code, proc.stderr[-2000:]
-    assert needle in proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr[-2000:]
     assert not run_dir.exists()
 
 

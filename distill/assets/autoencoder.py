@@ -34,9 +34,9 @@ class VAETraining(DistillMethod):
         student: AutoencoderKL,
         optimizer: Callable,
         lr_scheduler: Callable | None = None,
-        recon_loss: str = "l1",
-        kl_weight: float = 1e-4,
-        scale_max_batches: int = 64,
+        recon_loss: str = "l1",  # RECON_LOSSES
+        kl_weight: float = 1e-4,  # per latent element, relative to the per-pixel reconstruction loss
+        scale_max_batches: int = 64,  # training batches over which the exported scaling_factor is measured
         sampling: dict | None = None,
     ):
         super().__init__(optimizer, lr_scheduler)

@@ -44,9 +44,9 @@ class ClassifierTraining(DistillMethod):
         student: nn.Module,
         optimizer: Callable,
         lr_scheduler: Callable | None = None,
-        max_translate: float = 0.0625,
+        max_translate: float = 0.0625,  # fraction of the image size: 2 px at 32x32, half a pixel of 8x8 digits
         max_rotate_deg: float = 10.0,
-        max_scale: float = 0.1,
+        max_scale: float = 0.1,  # zoom in [0.9, 1.1]
         label_smoothing: float = 0.0,
         sampling: dict | None = None,
     ):

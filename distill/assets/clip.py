@@ -68,8 +68,8 @@ class CLIPTraining(DistillMethod):
         tokenizer: CLIPTokenizer,
         optimizer: Callable,
         lr_scheduler: Callable | None = None,
-        keep_caption_prob: float = 0.5,
-        max_shift: int = 0,
+        keep_caption_prob: float = 0.5,  # the data caption ("a handwritten digit seven"); else a random template
+        max_shift: int = 2,  # random translation in pixels (augmentation)
         max_logit_scale: float = 100.0,
         sampling: dict | None = None,
     ):

@@ -1,8 +1,10 @@
-"""Dataclass schemas for every config group.
+"""Config schemas of every group, registered in Hydra's ConfigStore.
 
-Each YAML option starts from its schema (``defaults: [base_<name>, _self_]``), so Hydra rejects an
-unknown key, a wrong type or a missing ``???`` value at composition, naming the key, before any
-object is built.
+A schema of a ``_target_`` is generated from the constructor's signature (``distill.config.builds``): the
+constructor's default is the only default, and each YAML option holds only what it changes. Each YAML option
+starts from its schema (``defaults: [base_<name>, _self_]``), so Hydra rejects an unknown key, a wrong type, a
+value outside a fixed set of choices or a missing ``???`` value at composition, naming the key, before any object
+is built (exit code 1); ``distill.config.validate`` then checks what a schema cannot express (exit code 2).
 """
 
 from __future__ import annotations
@@ -13,311 +15,113 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from distill.assets.autoencoder import RECON_LOSSES
+from distill.config.builds import builds, choice
+from distill.diffusion.consistency import CONSISTENCY_LOSSES
+from distill.diffusion.losses import WEIGHTINGS
+from distill.diffusion.parametrization import PREDICTION_TYPES
+from distill.diffusion.timesteps import TIMESTEP_SAMPLERS
+from distill.inference.schedulers import SCHEDULERS
+from distill.models.moe import SPLITS
+from distill.models.unet import UNET_SIZES
+
+# ---------------------------------------------------------------- fixed sets of choices
+
+PredictionType = choice("PredictionType", PREDICTION_TYPES)
+TimestepSampler = choice("TimestepSampler", TIMESTEP_SAMPLERS)
+LossWeighting = choice("LossWeighting", WEIGHTINGS)
+ConsistencyLoss = choice("ConsistencyLoss", CONSISTENCY_LOSSES)
+ReconLoss = choice("ReconLoss", RECON_LOSSES)
+SchedulerName = choice("SchedulerName", SCHEDULERS)
+UNetSize = choice("UNetSize", UNET_SIZES)
+ExpertSplit = choice("ExpertSplit", SPLITS)
+MonitorMode = choice("MonitorMode", ("min", "max"))
+
 # ---------------------------------------------------------------- data
 
-
-@dataclass
-class DigitsDataConfig:
-    _target_: str = "distill.data.DigitsDataModule"
-    resolution: int = 16
-    batch_size: int = 128
-    eval_batch_size: int = 256
-    heldout_fraction: float = 0.2
-    split_seed: int = 0
-    num_workers: int = 0
-    channels: int = 1
-    shuffle_seed: int = 0
-
-
-@dataclass
-class ImageFolderDataConfig:
-    _target_: str = "distill.data.ImageFolderDataModule"
-    root: str = MISSING
-    resolution: int = 32
-    channels: int = 3
-    batch_size: int = 32
-    eval_batch_size: int = 64
-    heldout_fraction: float = 0.1
-    split_seed: int = 0
-    caption_ext: str = ".txt"
-    default_caption: str = ""
-    skip_unreadable: bool = True
-    num_workers: int = 0
-    shuffle_seed: int = 0
-
-
-@dataclass
-class WebDatasetDataConfig:
-    _target_: str = "distill.data.WebDatasetDataModule"
-    urls: str = MISSING
-    heldout_urls: str | None = None
-    resolution: int = 32
-    channels: int = 3
-    batch_size: int = 32
-    eval_batch_size: int = 64
-    shuffle_buffer: int = 1000
-    seed: int = 0
-    num_workers: int = 0
-
+DigitsDataConfig = builds("DigitsDataConfig", "distill.data.DigitsDataModule")
+ImageFolderDataConfig = builds("ImageFolderDataConfig", "distill.data.ImageFolderDataModule")
+WebDatasetDataConfig = builds("WebDatasetDataConfig", "distill.data.WebDatasetDataModule")
 
 # ---------------------------------------------------------------- method
+# The entry point passes what it builds first: the student, the teacher, the sampling scheduler's settings.
 
-
-@dataclass
-class DiffusionMethodConfig:
-    _target_: str = "distill.methods.diffusion.DiffusionTraining"
-    prediction_type: str = "epsilon"
-    cond_dropout: float = 0.1
-    timestep_sampler: str = "stratified"
-    loss_weighting: str = "min_snr"
-    snr_gamma: float = 5.0
-    noise_scheduler: Any = MISSING
-    conditioner: Any = MISSING
-    optimizer: Any = MISSING
-    lr_scheduler: Any = None
-    vae: Any = None
-
-
-@dataclass
-class CLIPMethodConfig:
-    _target_: str = "distill.assets.clip.CLIPTraining"
-    tokenizer: Any = MISSING
-    keep_caption_prob: float = 0.5
-    max_shift: int = 0
-    max_logit_scale: float = 100.0
-    optimizer: Any = MISSING
-    lr_scheduler: Any = None
-
-
-@dataclass
-class ClassifierMethodConfig:
-    _target_: str = "distill.assets.classifier.ClassifierTraining"
-    max_translate: float = 0.0625
-    max_rotate_deg: float = 10.0
-    max_scale: float = 0.1
-    label_smoothing: float = 0.0
-    optimizer: Any = MISSING
-    lr_scheduler: Any = None
-
-
-@dataclass
-class VAEMethodConfig:
-    _target_: str = "distill.assets.autoencoder.VAETraining"
-    recon_loss: str = "l1"
-    kl_weight: float = 1e-4
-    scale_max_batches: int = 64
-    optimizer: Any = MISSING
-    lr_scheduler: Any = None
-
-
-@dataclass
-class ConsistencyMethodConfig:
-    _target_: str = "distill.methods.consistency.LatentConsistencyDistillation"
-    num_ddim_timesteps: int = 50
-    guidance_scale_min: float = 2.0  # classifier-free guidance scales (w + 1) sampled per example
-    guidance_scale_max: float = 6.0
-    ema_decay: float = 0.95  # target = EMA of the student; 0 = stop-gradient copy
-    loss_type: str = "pseudo_huber"  # l2 | huber | pseudo_huber | pseudo_huber_elementwise (distill.diffusion.consistency)
-    huber_c: float | None = 0.001  # c (delta for huber); null: iCT's 0.00054 sqrt(d) for pseudo_huber
-    timestep_scaling: float = 10.0
-    sigma_data: float = 0.5
-    cache_prompts: bool = True
-    optimizer: Any = MISSING
-    lr_scheduler: Any = None
-
-
-@dataclass
-class ProgressiveMethodConfig:
-    _target_: str = "distill.methods.progressive.ProgressiveDistillation"
-    start_steps: int = 64
-    final_steps: int = 4
-    steps_per_round: int = 300
-    guidance_scale: float = 3.0
-    student_prediction_type: str = "v_prediction"
-    loss_weighting: str = "truncated_snr"
-    guided_stage_steps: int = 0
-    guidance_scale_min: float = 2.0
-    guidance_scale_max: float = 6.0
-    optimizer: Any = MISSING
-    lr_scheduler: Any = None
-
+_BUILT = ("student", "sampling")
+DiffusionMethodConfig = builds(
+    "DiffusionMethodConfig", "distill.methods.diffusion.DiffusionTraining", exclude=_BUILT,
+    choices={"prediction_type": PredictionType, "timestep_sampler": TimestepSampler, "loss_weighting": LossWeighting})
+CLIPMethodConfig = builds("CLIPMethodConfig", "distill.assets.clip.CLIPTraining", exclude=_BUILT)
+ClassifierMethodConfig = builds("ClassifierMethodConfig", "distill.assets.classifier.ClassifierTraining",
+                                exclude=_BUILT)
+VAEMethodConfig = builds("VAEMethodConfig", "distill.assets.autoencoder.VAETraining", exclude=_BUILT,
+                         choices={"recon_loss": ReconLoss})
+ConsistencyMethodConfig = builds(
+    "ConsistencyMethodConfig", "distill.methods.consistency.LatentConsistencyDistillation",
+    exclude=(*_BUILT, "teacher"), choices={"loss_type": ConsistencyLoss})
+ProgressiveMethodConfig = builds(
+    "ProgressiveMethodConfig", "distill.methods.progressive.ProgressiveDistillation", exclude=(*_BUILT, "teacher"),
+    choices={"student_prediction_type": PredictionType, "loss_weighting": LossWeighting})
 
 # ---------------------------------------------------------------- teacher
 
-
-@dataclass
-class TeacherConfig:
-    _target_: str = "distill.models.teacher.load_teacher"
-    pretrained_model_name_or_path: str = MISSING
-    revision: str | None = None
-    variant: str | None = None
-    torch_dtype: str | None = None
-
+TeacherConfig = builds("TeacherConfig", "distill.models.teacher.load_teacher")
 
 # ---------------------------------------------------------------- student
+# Students made from the teacher are partials: the method calls them on the teacher's UNet (and noise schedule).
 
-
-@dataclass
-class CopyStudentConfig:
-    _target_: str = "distill.models.students.copy_student"
-    _partial_: bool = True
-    time_cond_proj_dim: int | None = 256
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class LoraStudentConfig:
-    _target_: str = "distill.models.students.lora_student"
-    _partial_: bool = True
-    rank: int = 8
-    alpha: float | None = None
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class TimestepMoEStudentConfig:
-    _target_: str = "distill.models.moe.timestep_moe_student"
-    _partial_: bool = True
-    num_experts: int = 2
-    split: str = "equal_snr"
-    boundaries: Any = None
-    shared_layers: list = field(default_factory=list)
-    time_cond_proj_dim: int | None = 256
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class TokenMoEStudentConfig:
-    _target_: str = "distill.models.moe.token_moe_student"
-    _partial_: bool = True
-    num_experts: int = 4
-    top_k: int = 1
-    capacity_factor: float | None = 1.25
-    eval_capacity_factor: float | None = None
-    load_balance_weight: float = 0.01
-    z_loss_weight: float = 0.001
-    init_noise: float = 0.01
-    time_cond_proj_dim: int | None = 256
-    gradient_checkpointing: bool = False
-
-
-
-@dataclass
-class ClassUNetConfig:
-    _target_: str = "distill.models.unet.build_class_unet"
-    sample_size: int = MISSING
-    in_channels: int = 1
-    size: str = "tiny"
-    num_classes: int = 10
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class TextUNetConfig:
-    _target_: str = "distill.models.unet.build_text_unet"
-    sample_size: int = MISSING
-    in_channels: int = 4
-    size: str = "tiny"
-    cross_attention_dim: int = MISSING
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class CLIPStudentConfig:
-    _target_: str = "distill.models.clip.build_clip_model"
-    model_max_length: int = 16
-    projection_dim: int = 64
-    text_hidden_size: int = 64
-    text_layers: int = 3
-    text_heads: int = 4
-    image_size: int = MISSING
-    patch_size: int = 8
-    num_channels: int = 1
-    vision_hidden_size: int = 64
-    vision_layers: int = 3
-    vision_heads: int = 4
-    mlp_ratio: int = 4
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class DigitClassifierConfig:
-    _target_: str = "distill.models.classifier.build_digit_classifier"
-    _convert_: str = "all"  # plain lists: the hub mixin writes the init arguments to config.json
-    in_channels: int = 1
-    channels: list[int] = field(default_factory=lambda: [32, 64, 64])
-    feature_dim: int = 128
-    num_classes: int = 10
-    resolution: int = MISSING
-    dropout: float = 0.2
-    gradient_checkpointing: bool = False
-
-
-@dataclass
-class VAEStudentConfig:
-    _target_: str = "distill.models.vae.build_vae"
-    in_channels: int = 1
-    sample_size: int = MISSING
-    block_out_channels: list[int] = field(default_factory=lambda: [16, 32, 64])
-    layers_per_block: int = 1
-    latent_channels: int = 4
-    norm_num_groups: int = 8
-    gradient_checkpointing: bool = False
-
+_FROM_TEACHER = ("teacher_unet", "noise_scheduler")
+CopyStudentConfig = builds("CopyStudentConfig", "distill.models.students.copy_student", exclude=_FROM_TEACHER[:1],
+                           partial=True)
+LoraStudentConfig = builds("LoraStudentConfig", "distill.models.students.lora_student", exclude=_FROM_TEACHER[:1],
+                           partial=True)
+TimestepMoEStudentConfig = builds("TimestepMoEStudentConfig", "distill.models.moe.timestep_moe_student",
+                                  exclude=_FROM_TEACHER, partial=True, choices={"split": ExpertSplit})
+TokenMoEStudentConfig = builds("TokenMoEStudentConfig", "distill.models.moe.token_moe_student",
+                               exclude=_FROM_TEACHER, partial=True)
+ClassUNetConfig = builds("ClassUNetConfig", "distill.models.unet.build_class_unet", choices={"size": UNetSize})
+TextUNetConfig = builds("TextUNetConfig", "distill.models.unet.build_text_unet", choices={"size": UNetSize})
+CLIPStudentConfig = builds("CLIPStudentConfig", "distill.models.clip.build_clip_model",
+                           kwargs_of="distill.models.clip.build_clip")
+DigitClassifierConfig = builds(  # plain lists: the hub mixin writes the init arguments to config.json
+    "DigitClassifierConfig", "distill.models.classifier.build_digit_classifier",
+    kwargs_of="distill.models.classifier.DigitClassifier", convert="all")
+VAEStudentConfig = builds("VAEStudentConfig", "distill.models.vae.build_vae")
 
 # ---------------------------------------------------------------- sampling scheduler
 
 
 @dataclass
 class SchedulerConfig:
-    name: str = "ddim"
+    """The sampling scheduler: diffusers' scheduler ``name`` built ``from_config`` of the model's noise schedule
+    (distill.inference.schedulers), with ``options`` passed to ``from_config``."""
+
+    name: SchedulerName = MISSING  # each option of conf/scheduler names its own
     num_inference_steps: int = 50
-    guidance_scale: float = 2.0
+    guidance_scale: float = 2.0  # classifier-free guidance (1 = none)
     options: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- trainer / checkpoint / paths
+# Lightning's own defaults; distill's choices are deltas in conf/trainer/default.yaml and conf/checkpoint.
 
+TrainerConfig = builds("TrainerConfig", "lightning.pytorch.Trainer",
+                       exclude=("callbacks", "logger", "plugins"))  # train.py passes its own
+CheckpointConfig = builds("CheckpointConfig", "lightning.pytorch.callbacks.ModelCheckpoint",
+                          choices={"mode": MonitorMode})
 
-@dataclass
-class TrainerConfig:
-    _target_: str = "lightning.pytorch.Trainer"
-    accelerator: str = "cpu"
-    devices: Any = 1
-    num_nodes: int = 1
-    strategy: Any = "auto"
-    precision: Any = "32-true"
-    max_steps: int = 3000
-    max_epochs: int = -1
-    max_time: str | None = None
-    val_check_interval: Any = 500
-    check_val_every_n_epoch: int | None = None
-    limit_train_batches: Any = None
-    limit_val_batches: Any = None
-    num_sanity_val_steps: int = 0
-    log_every_n_steps: int = 25
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: float | None = 1.0
-    deterministic: Any = False
-    benchmark: bool | None = None
-    fast_dev_run: Any = False
-    enable_progress_bar: bool = True
-    enable_model_summary: bool = True
-    use_distributed_sampler: bool = False  # the data modules shard per rank themselves (resumable order)
-    default_root_dir: str | None = None
+# ---------------------------------------------------------------- callbacks and loggers
+# An option of these groups places each node under its name: defaults: [base_ema@ema, ...].
 
-
-@dataclass
-class CheckpointConfig:
-    _target_: str = "lightning.pytorch.callbacks.ModelCheckpoint"
-    dirpath: str = MISSING
-    filename: str = "step_{step:07d}"
-    every_n_train_steps: int = 500
-    save_last: bool = True
-    save_top_k: int = 3
-    monitor: str = "step"
-    mode: str = "max"
-    auto_insert_metric_name: bool = False
+EMACallbackConfig = builds("EMACallbackConfig", "distill.callbacks.ema.EMA")
+SampleGridCallbackConfig = builds("SampleGridCallbackConfig", "distill.callbacks.samples.SampleGrid")
+QualityCostCallbackConfig = builds("QualityCostCallbackConfig", "distill.callbacks.quality_cost.QualityCostCallback")
+ProgressBarCallbackConfig = builds("ProgressBarCallbackConfig", "lightning.pytorch.callbacks.RichProgressBar",
+                                   exclude=("theme",))  # an object
+LRMonitorCallbackConfig = builds("LRMonitorCallbackConfig", "lightning.pytorch.callbacks.LearningRateMonitor")
+CSVLoggerConfig = builds("CSVLoggerConfig", "distill.utils.loggers.ResumableCSVLogger")
+TensorBoardLoggerConfig = builds("TensorBoardLoggerConfig", "lightning.pytorch.loggers.TensorBoardLogger")
+WandbLoggerConfig = builds("WandbLoggerConfig", "lightning.pytorch.loggers.WandbLogger",
+                           exclude=("experiment",))  # an object
 
 
 @dataclass
@@ -381,7 +185,7 @@ class TrainConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     exp_name: str = "diffusion"
     seed: int = 0
-    ckpt_path: str | None = None
+    ckpt_path: str | None = None  # resume: a checkpoint file, or "last" (the newest readable one of this run directory)
     export: bool = True
     sample_grid_seeds: int = 8
     tags: list[str] = field(default_factory=list)
@@ -428,6 +232,9 @@ class EvaluateConfig:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
+    "callbacks": {"ema": EMACallbackConfig, "samples": SampleGridCallbackConfig, "quality_cost": QualityCostCallbackConfig,
+                  "progress": ProgressBarCallbackConfig, "lr_monitor": LRMonitorCallbackConfig},
+    "logger": {"csv": CSVLoggerConfig, "tensorboard": TensorBoardLoggerConfig, "wandb": WandbLoggerConfig},
     "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
     "method": {"clip": CLIPMethodConfig, "diffusion": DiffusionMethodConfig, "classifier": ClassifierMethodConfig,
                "vae": VAEMethodConfig, "consistency": ConsistencyMethodConfig,

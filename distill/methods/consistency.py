@@ -32,12 +32,12 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         student: nn.Module | Callable[[nn.Module], nn.Module],
         optimizer: Callable,
         lr_scheduler: Callable | None = None,
-        num_ddim_timesteps: int = 50,
-        guidance_scale_min: float = 2.0,
+        num_ddim_timesteps: int = 50,  # the skipping-step solver's grid
+        guidance_scale_min: float = 2.0,  # classifier-free guidance scales (w + 1) sampled per example
         guidance_scale_max: float = 6.0,
-        ema_decay: float = 0.95,
-        loss_type: str = "pseudo_huber",
-        huber_c: float | None = 0.001,
+        ema_decay: float = 0.95,  # target = EMA of the student; 0 = stop-gradient copy
+        loss_type: str = "pseudo_huber",  # distill.diffusion.consistency.CONSISTENCY_LOSSES
+        huber_c: float | None = 0.001,  # c (delta for huber); None: iCT's 0.00054 sqrt(d) for pseudo_huber
         timestep_scaling: float = 10.0,
         sigma_data: float = 0.5,
         cache_prompts: bool = True,

@@ -50,12 +50,12 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         start_steps: int = 64,
         final_steps: int = 4,
         steps_per_round: int = 300,
-        guidance_scale: float = 3.0,
+        guidance_scale: float = 3.0,  # CFG of the first teacher, distilled into the students (w fixed)
         student_prediction_type: str = "v_prediction",
-        loss_weighting: str = "truncated_snr",
-        guided_stage_steps: int = 0,
-        guidance_scale_min: float = 2.0,
-        guidance_scale_max: float = 6.0,
+        loss_weighting: str = "truncated_snr",  # max(SNR, 1) on the x-error (the paper's default)
+        guided_stage_steps: int = 0,  # > 0: Meng et al. stage 1, a w-conditioned student first (time_cond_proj_dim)
+        guidance_scale_min: float = 2.0,  # range of the CFG scale a w-conditioned student learns
+        guidance_scale_max: float = 4.0,
         sampling: dict | None = None,
     ):
         rounds = round_schedule(start_steps, final_steps)  # student step counts, e.g. [32, 16, 8, 4]

@@ -62,11 +62,12 @@ def build_class_unet(
 
 
 def build_text_unet(
-    sample_size: int, in_channels: int = 4, out_channels: int | None = None, size: str = "tiny",
-    cross_attention_dim: int = 64, gradient_checkpointing: bool = False,
+    sample_size: int, in_channels: int = 4, out_channels: int | None = None, size: str = "tiny", *,
+    cross_attention_dim: int, gradient_checkpointing: bool = False,
 ) -> UNet2DConditionModel:
     """A Stable-Diffusion-style UNet conditioned by cross-attention on text-encoder hidden states
-    (``gradient_checkpointing`` as in ``build_class_unet``)."""
+    (``gradient_checkpointing`` as in ``build_class_unet``): ``sample_size`` is the latent size (image size /
+    VAE factor), ``cross_attention_dim`` the text encoder's hidden size."""
     spec = _size(size)
     levels = _levels(spec, sample_size, size)
     down = ["CrossAttnDownBlock2D"] * (levels - 1) + ["DownBlock2D"]
