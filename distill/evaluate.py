@@ -1,7 +1,7 @@
 """Quality-cost sweep of any text-to-image pipeline on an evaluation set: a table, a CSV, a Pareto plot and
 sample grids.
 
-    python -m distill.evaluate pipeline=<dir or hub id> scheduler=dpmsolver nfe=[1,2,4,8,25,50]
+    python -m distill.evaluate pipeline=<dir or hub id> scheduler=dpmsolver steps=[1,2,4,8,25,50]
     python -m distill.evaluate schedulers=[ddim,dpmsolver,euler] num_per_class=50
     python -m distill.evaluate pipeline=<dir> data=imagefolder data.root=<images> eval.feature=<vision model>
     python -m distill.evaluate sanity=true eval.extra_features=[pixels,clip]   # does each metric see known defects?
@@ -39,7 +39,7 @@ register_resolvers()
 def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     from hydra.utils import instantiate
 
-    from distill.config.schema import EVALUATE_NFE
+    from distill.config.schema import EVALUATE_STEPS
     from distill.config.validate import missing_keys
     from distill.inference.loading import load_pipeline, pipeline_defaults
     from distill.inference.schedulers import SCHEDULERS
@@ -63,9 +63,9 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
             raise ValueError(f"scheduler {name!r} is unknown; use one of {sorted(SCHEDULERS)}")
     defaults = pipeline_defaults(cfg.pipeline)  # an export's intended call, for what the command line leaves out
     intended = {defaults["num_inference_steps"]} if "num_inference_steps" in defaults else set()
-    nfe = list(cfg.nfe) if cfg.nfe else sorted(set(EVALUATE_NFE) | intended)  # the default sweep has the intended count
-    if any(n < 1 for n in nfe):
-        raise ValueError(f"nfe={nfe} must hold step counts >= 1")
+    steps = list(cfg.steps) if cfg.steps else sorted(set(EVALUATE_STEPS) | intended)  # the default sweep has the intended count
+    if any(n < 1 for n in steps):
+        raise ValueError(f"steps={steps} must hold step counts >= 1")
     try:
         eval_set = instantiate(cfg.eval)
     except InstantiationException as err:
@@ -92,7 +92,7 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
             save_grid(evaluator.grid(images, seeds), out_dir / "grids" / f"{model}-{row['scheduler']}-{row['steps']}.png",
                       seeds, evaluator.grid_prompts())
 
-    rows = evaluator.sweep(sampler, model, [(name, steps) for name in names for steps in nfe], guidance,
+    rows = evaluator.sweep(sampler, model, [(name, n) for name in names for n in steps], guidance,
                            on_row=report)
     write_csv(rows, out_dir / "quality_cost.csv")
     plot_pareto(rows, out_dir / "pareto.png", title=f"{model}: FID vs latency", floor=floor)

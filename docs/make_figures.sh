@@ -11,7 +11,7 @@ cp $run/samples/student-lcm-4_step_0001000.png docs/consistency_lcm4.png
 cp $run/samples/teacher-ddim-4.png docs/teacher_ddim4.png
 $PY -m distill.sample pipeline=distill/assets/digits/teacher out=docs/teacher_grid.png num_seeds=8
 cp $run/quality_cost.csv docs/consistency_quality_cost.csv
-$PY -m distill.evaluate schedulers=[ddim,dpmsolver,euler] nfe=[1,2,4,8,25,50] num_per_class=50 hydra.run.dir=outputs/evaluate_teacher
+$PY -m distill.evaluate schedulers=[ddim,dpmsolver,euler] steps=[1,2,4,8,25,50] num_per_class=50 hydra.run.dir=outputs/evaluate_teacher
 cp outputs/evaluate_teacher/quality_cost.csv docs/teacher_quality_cost.csv
 cp outputs/evaluate_teacher/pareto.png docs/teacher_pareto.png
 $PY -m distill.train +exp=progressive hydra.run.dir=outputs/progressive_demo logger=csv

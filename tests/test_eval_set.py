@@ -302,7 +302,7 @@ def grid_prompts(path: Path) -> list[str]:
 def test_evaluate_any_pipeline_on_a_captioned_folder(world, tmp_path):
     out = tmp_path / "eval"
     proc = subprocess.run(
-        [sys.executable, "-m", "distill.evaluate", f"pipeline={world['pipe']}", *world_overrides(world), "nfe=[1,2]",
+        [sys.executable, "-m", "distill.evaluate", f"pipeline={world['pipe']}", *world_overrides(world), "steps=[1,2]",
          "num_per_class=2", "cost_repeats=1", "model_name=shapes", f"hydra.run.dir={out}"],
         capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -334,8 +334,8 @@ def test_two_step_distillation_of_any_pipeline_on_a_captioned_folder(world, tmp_
         "+exp=consistency", f"teacher.pretrained_model_name_or_path={world['pipe']}", *world_overrides(world),
         "data.batch_size=4", "student.time_cond_proj_dim=8", "trainer.max_steps=2", "trainer.val_check_interval=2",
         "trainer.limit_val_batches=1", "checkpoint.every_n_train_steps=2", "callbacks.samples.num_seeds=1",
-        "sample_grid_seeds=1", "callbacks.quality_cost.nfe=[1]", "callbacks.quality_cost.teacher_schedulers=[ddim]",
-        "callbacks.quality_cost.teacher_nfe=[1]", "callbacks.quality_cost.num_per_class=2",
+        "sample_grid_seeds=1", "callbacks.quality_cost.steps=[1]", "callbacks.quality_cost.teacher_schedulers=[ddim]",
+        "callbacks.quality_cost.teacher_steps=[1]", "callbacks.quality_cost.num_per_class=2",
         "callbacks.quality_cost.grid_seeds=1", "logger=csv", f"hydra.run.dir={run_dir}", env={"HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(run_dir / "quality_cost.csv")))

@@ -20,7 +20,7 @@ def tiny_sd(tmp_path_factory):
 def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
     out = tmp_path / "eval"
     proc = subprocess.run(
-        [sys.executable, "-m", "distill.evaluate", f"pipeline={tiny_sd}", "schedulers=[ddim,euler]", "nfe=[1,2]",
+        [sys.executable, "-m", "distill.evaluate", f"pipeline={tiny_sd}", "schedulers=[ddim,euler]", "steps=[1,2]",
          "num_per_class=2", "cost_repeats=1", "model_name=tiny", f"hydra.run.dir={out}"],
         capture_output=True, text=True, env={**__import__("os").environ, "HOME": str(tmp_path)},
     )
@@ -118,7 +118,7 @@ def test_teacher_rows_run_on_the_students_device_and_dtype(tiny_sd, tmp_path):
             return [{"model": model, "scheduler": scheduler, "steps": steps, "fid": 1.0, "fid_std": 0.1,
                      "latency_s": 0.01}]
 
-    callback = QualityCostCallback(None, nfe=[1], teacher=str(tiny_sd), teacher_nfe=[1], grid_seeds=0,
+    callback = QualityCostCallback(None, steps=[1], teacher=str(tiny_sd), teacher_steps=[1], grid_seeds=0,
                                    measure_cost=False)
     callback._evaluator, callback._floor = RecordingEvaluator(), {"fid": 0.5, "fid_std": 0.05}
     student = torch.nn.Linear(2, 2).double()
@@ -140,8 +140,8 @@ def test_quality_cost_callback_during_training(tiny_sd, tmp_path):
         "student.size=debug", "student.cross_attention_dim=32", "data.batch_size=8", "trainer.max_steps=4",
         "trainer.val_check_interval=4", "trainer.limit_val_batches=1", "checkpoint.every_n_train_steps=4",
         "callbacks=[default,quality_cost]", "callbacks.quality_cost.every_n_steps=2",
-        "callbacks.quality_cost.nfe=[1,2]", f"callbacks.quality_cost.teacher={tiny_sd}",
-        "callbacks.quality_cost.teacher_nfe=[2]", "callbacks.quality_cost.num_per_class=1",
+        "callbacks.quality_cost.steps=[1,2]", f"callbacks.quality_cost.teacher={tiny_sd}",
+        "callbacks.quality_cost.teacher_steps=[2]", "callbacks.quality_cost.num_per_class=1",
         "callbacks.samples=null", "sample_grid_seeds=0", "logger=[csv,tensorboard]", f"hydra.run.dir={run_dir}",
         env={"HOME": str(tmp_path)},
     )

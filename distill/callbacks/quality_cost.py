@@ -37,7 +37,7 @@ class QualityCostCallback(L.Callback):
     """Every ``every_n_steps`` training steps and at the end of training.
 
     ``eval_set`` (``distill.metrics.eval_set.EvalSet``, the config group ``eval``) gives the prompts, the
-    reference and the measuring networks; ``num_per_class`` samples of each prompt are drawn. ``nfe=None``
+    reference and the measuring networks; ``num_per_class`` samples of each prompt are drawn. ``steps=None``
     evaluates the method's own current step count (``pl_module.student_steps``, e.g. the round of progressive
     distillation); the Pareto plot then shows every evaluation so far. The teacher runs on the student's device
     in the student's dtype, so that its rows and the student's compare models, not devices.
@@ -48,11 +48,11 @@ class QualityCostCallback(L.Callback):
         eval_set,
         every_n_steps: int = 1000,
         schedulers: tuple[str, ...] = ("ddim",),
-        nfe: tuple[int, ...] | None = (1, 2, 4),
+        steps: tuple[int, ...] | None = (1, 2, 4),
         guidance_scale: float | None = None,
         teacher: str | None = None,
         teacher_schedulers: tuple[str, ...] = ("ddim",),
-        teacher_nfe: tuple[int, ...] = (1, 2, 4, 50),
+        teacher_steps: tuple[int, ...] = (1, 2, 4, 50),
         teacher_guidance_scale: float | None = None,
         num_per_class: int = 20,
         seed: int = 0,
@@ -61,9 +61,9 @@ class QualityCostCallback(L.Callback):
     ):
         self.eval_set = eval_set
         self.every_n_steps, self.schedulers = every_n_steps, list(schedulers)
-        self.nfe = list(nfe) if nfe is not None else None
+        self.steps = list(steps) if steps is not None else None
         self.guidance_scale = guidance_scale
-        self.teacher, self.teacher_schedulers, self.teacher_nfe = teacher, list(teacher_schedulers), list(teacher_nfe)
+        self.teacher, self.teacher_schedulers, self.teacher_steps = teacher, list(teacher_schedulers), list(teacher_steps)
         self.teacher_guidance_scale = teacher_guidance_scale
         self.num_per_class, self.seed, self.measure_cost = num_per_class, seed, measure_cost
         self.grid_seeds = min(grid_seeds, num_per_class)
@@ -100,7 +100,7 @@ class QualityCostCallback(L.Callback):
         guidance = self.teacher_guidance_scale
         if guidance is None:
             guidance = pipeline_defaults(self.teacher).get("guidance_scale", 1.0)
-        plan = [(name, steps) for name in self.teacher_schedulers for steps in self.teacher_nfe]
+        plan = [(name, steps) for name in self.teacher_schedulers for steps in self.teacher_steps]
         self.teacher_rows = self._evaluator.sweep(
             sampler, "teacher", plan, guidance, self.measure_cost,
             on_row=lambda row, images: self._save_grid(self._trainer, images, f"teacher-{row['scheduler']}-{row['steps']}.png"))
@@ -148,7 +148,7 @@ class QualityCostCallback(L.Callback):
             ema.swap_in(pl_module)
         step = trainer.global_step
         plan = [(name, steps) for name in self.schedulers
-                for steps in (self.nfe if self.nfe is not None else [pl_module.student_steps])]
+                for steps in (self.steps if self.steps is not None else [pl_module.student_steps])]
         try:
             rows = self._evaluator.sweep(
                 sampler, "student", plan, self.guidance_scale, self.measure_cost,
@@ -164,7 +164,7 @@ class QualityCostCallback(L.Callback):
         csv_path = run_dir / "quality_cost.csv"
         first = not csv_path.exists()
         write_csv(([dict(r, step=step) for r in teacher_rows] if first else []) + rows, csv_path, append=True)
-        shown = rows if self.nfe is not None else [r for r in self.history]
+        shown = rows if self.steps is not None else [r for r in self.history]
         plot = plot_pareto(teacher_rows + shown, run_dir / "plots" / f"pareto_step_{step:07d}.png",
                            title=f"step {step}: FID vs latency", floor=self._floor)
         self._log(trainer, rows, teacher_rows, plot)

@@ -207,7 +207,7 @@ class SampleConfig:
     upscale: int = 4
 
 
-EVALUATE_NFE = (1, 2, 4, 8, 25, 50)  # distill.evaluate's sweep for a pipeline without an intended step count
+EVALUATE_STEPS = (1, 2, 4, 8, 25, 50)  # distill.evaluate's sweep for a pipeline without an intended step count
 
 
 @dataclass
@@ -218,7 +218,7 @@ class EvaluateConfig:
     eval: Any = MISSING  # the evaluation set (conf/eval): prompts, reference, feature network, CLIP model
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     schedulers: list[str] | None = None  # several scheduler names in one sweep (overrides `scheduler`)
-    nfe: list[int] | None = None  # steps per row; null: EVALUATE_NFE plus the export's intended count (distill.json)
+    steps: list[int] | None = None  # step counts, a row each; null: EVALUATE_STEPS plus the export's intended count (distill.json)
     num_per_class: int = 50  # samples of each prompt of the evaluation set
     seed: int = 0
     guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0
