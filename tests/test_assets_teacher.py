@@ -4,8 +4,8 @@ import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 
 from distill.assets import asset_path
+from distill.assets.digit_metrics import prompted_digit_accuracy
 from distill.data.digits import caption_for
-from distill.metrics.digit_accuracy import prompted_digit_accuracy
 from distill.models.classifier import DigitClassifier
 from distill.models.students import copy_student
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import CLIPModel, CLIPTokenizer
 
+from distill.assets.digit_metrics import clip_zeroshot_logits
 from distill.methods.base import DistillMethod
-from distill.metrics.clip_score import clip_zeroshot_logits
 from distill.models.clip import (
     CAPTION_TEMPLATES,
     encode_images,
