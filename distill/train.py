@@ -199,9 +199,11 @@ def _close_loggers(trainer) -> None:
     """End wandb runs so that the next job in this process (a multirun sweep) starts its own."""
     from lightning.pytorch.loggers import WandbLogger
 
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger) and logger._experiment is not None:
-            logger._experiment.finish()
+    if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+        import wandb
+
+        if wandb.run is not None:  # the run this job started (wandb's public handle; None if never used)
+            wandb.finish()
 
 
 def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:

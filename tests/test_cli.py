@@ -103,3 +103,20 @@ def test_console_scripts_find_their_configs_from_any_directory(tmp_path, script,
     proc = subprocess.run([str(exe), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert needle in proc.stdout
+
+
+def test_close_loggers_ends_the_wandb_run_so_the_next_sweep_job_starts_its_own(tmp_path, monkeypatch):
+    import wandb
+    from lightning.pytorch.loggers import WandbLogger
+
+    from distill.train import _close_loggers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="t")
+    logger.log_hyperparams({"a": 1})  # starts the run
+    assert wandb.run is not None
+    _close_loggers(type("T", (), {"loggers": [logger]})())
+    assert wandb.run is None
+    _close_loggers(type("T", (), {"loggers": [logger]})())  # nothing to end: no error, no new run
+    assert wandb.run is None
