@@ -158,6 +158,8 @@ def run(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed + global_rank(), workers=True)
     try:
         datamodule, method, trainer = _instantiate_all(cfg)
+        if hasattr(method, "check_latent_cache"):
+            method.check_latent_cache(datamodule)
         datamodule.setup("fit")  # an empty or unreadable data folder fails here, before any compute
         if isinstance(datamodule, ResumableDataMixin):
             _quiet_known_warnings()

@@ -7,6 +7,7 @@ import copy
 import lightning as L
 import torch
 
+from distill.data.latents import batch_size_of
 from distill.utils.optim import ema_update_, has_gradients
 
 
@@ -48,7 +49,7 @@ class EMA(L.Callback):
 
     @torch.no_grad()
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._window_images += batch["pixel_values"].shape[0] * trainer.world_size
+        self._window_images += batch_size_of(batch) * trainer.world_size
         if not closes_optimizer_step(trainer, batch_idx):
             return
         batch_images, self._window_images = self._window_images, 0

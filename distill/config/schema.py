@@ -47,8 +47,9 @@ WebDatasetDataConfig = builds("WebDatasetDataConfig", "distill.data.WebDatasetDa
 # The entry point passes what it builds first: the student, the teacher, the sampling scheduler's settings.
 
 _BUILT = ("student", "sampling")
+_SPEED = "distill.methods.base.DistillMethod"  # the training-speed switches every method takes (**speed)
 DiffusionMethodConfig = builds(
-    "DiffusionMethodConfig", "distill.methods.diffusion.DiffusionTraining", exclude=_BUILT,
+    "DiffusionMethodConfig", "distill.methods.diffusion.DiffusionTraining", exclude=_BUILT, kwargs_of=_SPEED,
     choices={"prediction_type": PredictionType, "timestep_sampler": TimestepSampler, "loss_weighting": LossWeighting})
 CLIPMethodConfig = builds("CLIPMethodConfig", "distill.assets.clip.CLIPTraining", exclude=_BUILT)
 ClassifierMethodConfig = builds("ClassifierMethodConfig", "distill.assets.classifier.ClassifierTraining",
@@ -57,9 +58,10 @@ VAEMethodConfig = builds("VAEMethodConfig", "distill.assets.autoencoder.VAETrain
                          choices={"recon_loss": ReconLoss})
 ConsistencyMethodConfig = builds(
     "ConsistencyMethodConfig", "distill.methods.consistency.LatentConsistencyDistillation",
-    exclude=(*_BUILT, "teacher"), choices={"loss_type": ConsistencyLoss})
+    exclude=(*_BUILT, "teacher"), choices={"loss_type": ConsistencyLoss}, kwargs_of=_SPEED)
 ProgressiveMethodConfig = builds(
     "ProgressiveMethodConfig", "distill.methods.progressive.ProgressiveDistillation", exclude=(*_BUILT, "teacher"),
+    kwargs_of=_SPEED,
     choices={"student_prediction_type": PredictionType, "loss_weighting": LossWeighting})
 
 # ---------------------------------------------------------------- teacher

@@ -46,6 +46,14 @@ class DigitsDataset(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
+    def fingerprint(self) -> str:
+        """A hash of the images and labels (what a latent cache of this set depends on)."""
+        import hashlib
+
+        digest = hashlib.sha256(self.images.contiguous().numpy().tobytes())
+        digest.update(self.labels.numpy().tobytes())
+        return digest.hexdigest()
+
     def __getitem__(self, i: int) -> dict:
         label = int(self.labels[i])
         return {"pixel_values": self.images[i], "label": label, "caption": caption_for(label)}

@@ -25,6 +25,18 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
+    def fingerprint(self) -> str:
+        """A hash of the files' paths, sizes and modification times (images and captions) and of the
+        resolution, channels and default caption: what a latent cache of this set depends on."""
+        import hashlib
+
+        digest = hashlib.sha256(f"{self.resolution}:{self.channels}:{self.caption_ext}:{self.default_caption}".encode())
+        for path in self.files:
+            for f in (path, path.with_suffix(self.caption_ext)):
+                stat = f.stat() if f.exists() else None
+                digest.update(f"{f}:{stat and stat.st_size}:{stat and stat.st_mtime_ns}".encode())
+        return digest.hexdigest()
+
     def __getitem__(self, i: int) -> dict:
         path = self.files[i]
         with Image.open(path) as image:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import lightning as L
 import torch
@@ -58,13 +59,143 @@ def pipeline_images(pipe, captions: list[str], generator: torch.Generator, num_i
     return images * 2.0 - 1.0
 
 
-class DistillMethod(L.LightningModule):
-    """Base of every method: ``self.student`` is what trains; ``optimizer``/``lr_scheduler`` are partials."""
+FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-    def __init__(self, optimizer: Callable, lr_scheduler: Callable | None = None):
+
+def _check_compile_supported(device: torch.device | None = None) -> None:
+    """torch.compile runs here: dynamo supports the platform and, on CPU, a C++ compiler is on the PATH."""
+    import os
+    import shutil
+
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise ValueError("method.compile=true: torch.compile is not supported on this platform/Python "
+                         f"(torch {torch.__version__}); set method.compile=false")
+    compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    if device is not None and device.type == "cpu" and not any(c and shutil.which(c) for c in compilers):
+        raise ValueError("method.compile=true on CPU needs a C++ compiler (g++ or clang++, or $CXX) for inductor's "
+                         "kernels; install one or set method.compile=false")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 natively on this CPU (AVX512-BF16 or AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class DistillMethod(L.LightningModule):
+    """Base of every method: ``self.student`` is what trains; ``optimizer``/``lr_scheduler`` are partials.
+
+    Training-speed switches, the same for every method (measured in BENCHMARKS.md, bench/train_speed.py):
+    ``compile`` runs the student and the frozen networks through ``torch.compile`` (in place, so checkpoint
+    keys do not change); ``frozen_dtype`` ("bf16"/"fp16") runs the frozen teacher under autocast in that dtype, its
+    outputs returned in float32 (a consistency target runs at the student's precision, so that the residual
+    f_student - f_target compares like with like: measured, a bf16 target moves by ~57% of the residual at
+    initialisation, a bf16 teacher by ~1.5%; the VAE encodes in float32: its latents are the data); ``channels_last`` stores the convolution
+    weights channels-last; ``latent_cache`` trains from the frozen VAE's posterior of every training image,
+    encoded once into ``latent_cache_dir`` (distill.data.latents) instead of encoding every batch.
+    The student's own precision is Lightning's ``trainer.precision`` (e.g. bf16-mixed).
+    """
+
+    def __init__(self, optimizer: Callable, lr_scheduler: Callable | None = None, *, compile: bool = False,
+                 frozen_dtype: Literal["bf16", "fp16"] | None = None, channels_last: bool = False,
+                 latent_cache: bool = False, latent_cache_dir: str = "~/.cache/distill/latents"):
         super().__init__()
+        if frozen_dtype is not None and frozen_dtype not in FROZEN_DTYPES:
+            raise ValueError(f"method.frozen_dtype={frozen_dtype!r}; use one of {sorted(FROZEN_DTYPES)} or null (float32)")
+        if compile:
+            _check_compile_supported()
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
+        self.compile_networks, self.frozen_dtype, self.channels_last = compile, frozen_dtype, channels_last
+        self.latent_cache, self.latent_cache_dir = latent_cache, latent_cache_dir
+        self._frozen_autocast_dtype = FROZEN_DTYPES.get(frozen_dtype)
+
+    # ------------------------------------------------------------------ speed switches
+
+    def frozen_networks(self) -> list[torch.nn.Module]:
+        """The frozen networks run every step (teacher, consistency target): what ``compile``/``channels_last``
+        also apply to."""
+        return []
+
+    def prepare_network(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` channels-last and compiled as the switches say (in place; its state_dict keys unchanged)."""
+        if self.channels_last:
+            module.to(memory_format=torch.channels_last)
+        if self.compile_networks:
+            module.compile()
+        return module
+
+    def frozen_autocast(self):
+        """Autocast in ``frozen_dtype`` around a frozen network's pass (a no-op without it)."""
+        from contextlib import nullcontext
+
+        if self._frozen_autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self._frozen_autocast_dtype)
+
+    def _check_frozen_dtype(self) -> None:
+        """bf16/fp16 autocast where the device runs it; bf16 on a CPU without native bf16 falls back to float32
+        with a warning (it would be slower, not wrong)."""
+        import logging
+
+        dtype, device = self._frozen_autocast_dtype, self.device
+        if dtype is None:
+            return
+        if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"method.frozen_dtype=bf16 but {torch.cuda.get_device_name(device)} has no bfloat16; "
+                             "use method.frozen_dtype=fp16 or null")
+        if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16():
+            logging.getLogger(__name__).warning("method.frozen_dtype=bf16: this CPU has no native bfloat16; the frozen "
+                                                "networks stay in float32")
+            self._frozen_autocast_dtype = None
+
+    def setup(self, stage: str) -> None:
+        self._check_frozen_dtype()
+        if self.compile_networks:
+            _check_compile_supported(self.device)
+        if self.compile_networks or self.channels_last:
+            for module in [self.student, *self.frozen_networks()]:
+                self.prepare_network(module)
+        if self.latent_cache and stage == "fit":
+            self._attach_latent_cache()
+
+    def check_latent_cache(self, datamodule) -> None:
+        """With ``latent_cache``: a VAE to encode with and a map-style training set to encode (checked before
+        any compute)."""
+        if not self.latent_cache:
+            return
+        if getattr(self, "vae", None) is None:
+            raise ValueError("method.latent_cache=true needs a VAE: this method trains in pixel space; set it to false")
+        if datamodule is None or not hasattr(datamodule, "train_set"):
+            raise ValueError(f"method.latent_cache=true needs a map-style data module with a train_set (digits, "
+                             f"imagefolder); {type(datamodule).__name__} streams its data: set method.latent_cache=false")
+
+    def _attach_latent_cache(self) -> None:
+        from distill.data.latents import cached_latents
+
+        datamodule, vae = self.trainer.datamodule, self.vae
+        self.check_latent_cache(datamodule)
+        strategy = self.trainer.strategy
+        if strategy.is_global_zero:
+            cached = cached_latents(datamodule.train_set, vae, self.latent_cache_dir, build=True)
+        strategy.barrier("latent_cache")
+        if not strategy.is_global_zero:
+            cached = cached_latents(datamodule.train_set, vae, self.latent_cache_dir, build=False)
+        datamodule.train_set = cached
+
+    def latents(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The batch in the diffusion space: a draw from the cached VAE posterior (``latent_mean``/``latent_std``,
+        the same draw ``encode`` makes with the same generator), or ``encode`` of its images."""
+        if "latent_mean" in batch:
+            mean, std = batch["latent_mean"], batch["latent_std"]
+            noise = torch.randn(mean.shape, generator=generator).to(mean)
+            return (mean + std * noise) * self.vae.config.scaling_factor
+        return self.encode(batch["pixel_values"], generator)
+
+    def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Images (N, C, H, W) -> the diffusion space; each method with a VAE or pixel space defines it."""
+        raise NotImplementedError
 
     def add_student_aux_loss(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
         """``loss`` plus the auxiliary loss of a mixture-of-experts student's last own forward (router load

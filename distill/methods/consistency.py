@@ -42,10 +42,11 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         sigma_data: float = 0.5,
         cache_prompts: bool = True,
         sampling: dict | None = None,
+        **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
         check_consistency_loss(loss_type, huber_c)
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=guidance_scale_min,
-                         guidance_scale_max=guidance_scale_max, cache_prompts=cache_prompts)
+                         guidance_scale_max=guidance_scale_max, cache_prompts=cache_prompts, **speed)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
         self.prediction_type = teacher.prediction_type
         if self.is_lora and ema_decay > 0:
@@ -72,6 +73,9 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
 
     # ------------------------------------------------------------------ networks
 
+    def frozen_networks(self) -> list[nn.Module]:  # compiled / channels-last as the student is
+        return super().frozen_networks() + ([self.target] if self.target is not None else [])
+
     def _teacher(self, x_t, t, cond, uncond, w):
         """Guided teacher (x0, eps) at (x_t, t), guided in (x0, eps) with LCM's w (Luo et al. 2023, sec. 4.2)."""
         alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x_t.ndim)
@@ -90,7 +94,7 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
     # ------------------------------------------------------------------ objective
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
-        x0 = self.encode(batch["pixel_values"], generator)  # (N, 4, h, w)
+        x0 = self.latents(batch, generator)  # (N, 4, h, w)
         n, device = x0.shape[0], x0.device
         index = torch.randint(0, self.num_ddim_timesteps, (n,), generator=generator).to(device)
         t = self.solver_timesteps[index]  # t_n
@@ -109,7 +113,9 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
             alpha_prev, sigma_prev = alpha_sigma(self.alphas_cumprod, t_prev, x0.ndim)
             x_prev = ddim_step(x0_w, eps_w, alpha_prev, sigma_prev)
             target = self.target if self.target is not None else self.student
-            with no_routing_record(target):  # the student's own routing record is the one its loss trains
+            # the target runs at the student's precision (frozen_dtype is the teacher's): the residual
+            # f_student - f_target must compare like with like; the student's own routing record trains
+            with no_routing_record(target):
                 f_target = self._consistency_fn(target, x_prev, t_prev, cond, w_kwargs)
         return consistency_loss(f_student, f_target, self.loss_type, self.huber_c)
 

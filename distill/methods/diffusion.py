@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from distill.data.latents import batch_size_of
 from distill.diffusion import (
     add_noise,
     alpha_sigma,
@@ -48,8 +49,9 @@ class DiffusionTraining(DistillMethod):
         snr_gamma: float = 5.0,
         sampling: dict | None = None,
         vae: nn.Module | None = None,
+        **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
-        super().__init__(optimizer, lr_scheduler)
+        super().__init__(optimizer, lr_scheduler, **speed)
         self.save_hyperparameters(ignore=["student", "noise_scheduler", "conditioner", "optimizer", "lr_scheduler", "vae"])
         if noise_scheduler.config.prediction_type != prediction_type:
             raise ValueError(
@@ -80,7 +82,9 @@ class DiffusionTraining(DistillMethod):
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Images (N, C, H, W) -> diffusion space: identity, or scaled VAE latents (N, 4, H/f, W/f)."""
-        return pixels if self.vae is None else encode_latents(self.vae, pixels, generator)
+        if self.vae is None:
+            return pixels
+        return encode_latents(self.vae, pixels, generator)
 
     @torch.no_grad()
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
@@ -89,7 +93,7 @@ class DiffusionTraining(DistillMethod):
         return self.vae.decode(x0 / self.vae.config.scaling_factor).sample
 
     def loss(self, batch: dict, generator: torch.Generator | None = None, drop_conditions: bool = True) -> torch.Tensor:
-        x0 = self.encode(batch["pixel_values"], generator)  # (N, C, H, W)
+        x0 = self.latents(batch, generator)  # (N, C, H, W)
         n = x0.shape[0]
         t = sample_timesteps(n, self.num_train_timesteps, self.timestep_sampler, generator, x0.device)
         eps = torch.randn(x0.shape, generator=generator).to(x0)
@@ -105,14 +109,14 @@ class DiffusionTraining(DistillMethod):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0])
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size_of(batch))
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         # Fixed noise, timesteps and no dropout: the held-out loss is comparable across steps and runs.
         generator = torch.Generator().manual_seed(1000 + batch_idx)
         loss = self.loss(batch, generator, drop_conditions=False)
-        self.log("val/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0], sync_dist=True)
+        self.log("val/loss", loss, prog_bar=True, batch_size=batch_size_of(batch), sync_dist=True)
         return loss
 
     def sampling_scheduler(self, name: str | None = None):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from distill.data.latents import batch_size_of
 from distill.methods.base import (
     DistillMethod,
     encode_latents,
@@ -42,10 +43,11 @@ class TeacherStudentDistillation(DistillMethod):
         guidance_scale_min: float,
         guidance_scale_max: float,
         cache_prompts: bool = True,
+        **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
         if guidance_scale_min > guidance_scale_max:
             raise ValueError(f"method.guidance_scale_min={guidance_scale_min} > method.guidance_scale_max={guidance_scale_max}")
-        super().__init__(optimizer, lr_scheduler)
+        super().__init__(optimizer, lr_scheduler, **speed)
         self.teacher_source = teacher.source
         self.teacher_unet = teacher.unet.requires_grad_(False).eval()
         self.vae = teacher.vae.requires_grad_(False).eval()
@@ -86,6 +88,9 @@ class TeacherStudentDistillation(DistillMethod):
         """A frozen copy of the student as it is now: a consistency target, the next progressive round's teacher."""
         return copy.deepcopy(self.student).requires_grad_(False)
 
+    def frozen_networks(self) -> list[nn.Module]:
+        return [] if self.is_lora else [self.teacher_unet]
+
     def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return encode_latents(self.vae, pixels, generator)
 
@@ -101,7 +106,8 @@ class TeacherStudentDistillation(DistillMethod):
         if lora:
             self.student.disable_adapters()
         try:
-            return self.teacher_unet(x, t, encoder_hidden_states=cond, **unet_kwargs).sample
+            with self.frozen_autocast():
+                return self.teacher_unet(x, t, encoder_hidden_states=cond, **unet_kwargs).sample.float()
         finally:
             if lora:
                 self.student.enable_adapters()
@@ -118,7 +124,7 @@ class TeacherStudentDistillation(DistillMethod):
         raise NotImplementedError
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        n = batch["pixel_values"].shape[0]
+        n = batch_size_of(batch)
         loss = self.loss(batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=n)
         return self.add_student_aux_loss(loss, n)
@@ -126,7 +132,7 @@ class TeacherStudentDistillation(DistillMethod):
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         # fixed noise, timesteps and guidance scales: the held-out loss is comparable across steps and runs
         loss = self.loss(batch, torch.Generator().manual_seed(1000 + batch_idx))
-        self.log("val/loss", loss, prog_bar=True, batch_size=batch["pixel_values"].shape[0], sync_dist=True)
+        self.log("val/loss", loss, prog_bar=True, batch_size=batch_size_of(batch), sync_dist=True)
         return loss
 
     # ------------------------------------------------------------------ sampling and export

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from distill.data.latents import batch_size_of
 from distill.diffusion import (
     add_noise,
     cfg,
@@ -57,10 +58,11 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         guidance_scale_min: float = 2.0,  # range of the CFG scale a w-conditioned student learns
         guidance_scale_max: float = 4.0,
         sampling: dict | None = None,
+        **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
         rounds = round_schedule(start_steps, final_steps)  # student step counts, e.g. [32, 16, 8, 4]
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=guidance_scale_min,
-                         guidance_scale_max=guidance_scale_max)
+                         guidance_scale_max=guidance_scale_max, **speed)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
         self.rounds = rounds
         self.start_steps, self.steps_per_round = start_steps, steps_per_round
@@ -109,7 +111,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
     def finish_round(self) -> None:
         if self._trainer is not None and self.trainer.is_global_zero:
             self._export_round()
-        self.teacher_unet = self.frozen_student_copy().eval()
+        self.teacher_unet = self.prepare_network(self.frozen_student_copy().eval())
         self.teacher_prediction_type = self.student_prediction_type
         self.guidance_scale = 1.0  # only the original teacher runs CFG; later teachers are students
         self.round_index += 1
@@ -130,7 +132,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         info = checkpoint["progressive"]
         if info["round_index"] > self.first_round:  # the teacher of a later round is an earlier student
-            self.teacher_unet = self.frozen_student_copy().eval()
+            self.teacher_unet = self.prepare_network(self.frozen_student_copy().eval())
         self.round_index, self.guidance_scale = info["round_index"], info["guidance_scale"]
         self.teacher_prediction_type = info["teacher_prediction_type"]
 
@@ -171,7 +173,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         return ddim_step(x0, eps, a_next, s_next)
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
-        x0 = self.encode(batch["pixel_values"], generator)
+        x0 = self.latents(batch, generator)
         n, steps = x0.shape[0], self.student_steps
         cond, uncond = self.text_conditions(batch, n, x0.device)
         scale = self._scales(n, generator).to(x0.device)
@@ -199,7 +201,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        self.log("train/student_steps", float(self.student_steps), batch_size=batch["pixel_values"].shape[0])
+        self.log("train/student_steps", float(self.student_steps), batch_size=batch_size_of(batch))
         return loss
 
     # ------------------------------------------------------------------ sampling and export
