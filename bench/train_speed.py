@@ -54,6 +54,9 @@ class StepTimer(L.Callback):
     def __init__(self):
         self.times: list[float] = []
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.times.append(time.perf_counter())  # times[0]: the start, before the first step (and its compilation)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize()
@@ -64,7 +67,8 @@ class StepTimer(L.Callback):
 
 
 def images_per_s(times: list[float], batch_size: int, warmup: int) -> tuple[float, float]:
-    """(images/s over the steps after ``warmup``, seconds of the first ``warmup`` steps from the first's end)."""
+    """(images/s over the steps after ``warmup``, seconds of the first ``warmup`` steps); ``times`` holds the
+    start and then the end of every step."""
     steady = times[warmup:]
     return batch_size * (len(steady) - 1) / (steady[-1] - steady[0]), times[warmup] - times[0]
 
@@ -72,7 +76,7 @@ def images_per_s(times: list[float], batch_size: int, warmup: int) -> tuple[floa
 # ---------------------------------------------------------------------------------------------- plain loop
 
 def plain_loop(batch_size: int, steps: int, seed: int = 0) -> list[float]:
-    """The minimal fp32 LCM loop; returns the wall time at the end of each step."""
+    """The minimal fp32 LCM loop; returns the wall time at its start and at the end of each step."""
     from diffusers import UNet2DConditionModel
 
     from distill.assets import asset_path
@@ -124,7 +128,7 @@ def plain_loop(batch_size: int, steps: int, seed: int = 0) -> list[float]:
     dm = DigitsDataModule(resolution=32, batch_size=batch_size)
     dm.setup()
     loader = dm.train_dataloader()
-    times, step = [], 0
+    times, step = [time.perf_counter()], 0
     while step < steps:
         for batch in loader:
             with torch.no_grad():

@@ -406,3 +406,28 @@ def test_router_runs_in_float32_under_bfloat16_autocast():
     torch.testing.assert_close(probs.double(), expected, atol=1e-2, rtol=0)  # bf16 input rounding only
     exact = torch.nn.functional.linear(x.bfloat16().float(), layer.router.weight)
     torch.testing.assert_close(logits, exact, atol=1e-6, rtol=1e-6)
+
+
+def test_router_statistics_are_read_only_on_logging_steps(teacher):
+    """Reading router statistics is a host sync: off logging steps the aux loss still trains, no stats are read."""
+    import functools
+    import types
+
+    from distill.methods.consistency import LatentConsistencyDistillation
+
+    torch.manual_seed(0)
+    method = LatentConsistencyDistillation(
+        teacher, functools.partial(token_moe_student, num_experts=2, top_k=1, time_cond_proj_dim=8),
+        optimizer=torch.optim.AdamW, cache_prompts=False)
+    reads = []
+    stats_fn = method.student.router_stats
+    method.student.router_stats = lambda prefix="router/": reads.append(1) or stats_fn(prefix)
+    method.log, method.log_dict = (lambda *a, **k: None), (lambda *a, **k: None)
+    batch = {"pixel_values": torch.rand(4, 1, 32, 32) * 2 - 1, "caption": ["a handwritten digit one"] * 4}
+    for logging in (False, True):
+        connector = types.SimpleNamespace(should_update_logs=logging)
+        method._trainer = types.SimpleNamespace(_logger_connector=connector)
+        task = method.loss(batch, torch.Generator().manual_seed(0))
+        total = method.add_student_aux_loss(task, 4)
+        assert total.item() > task.item()  # the aux loss is added either way
+    assert reads == [1]  # read on the logging step only

@@ -200,16 +200,26 @@ class DistillMethod(L.LightningModule):
     def add_student_aux_loss(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
         """``loss`` plus the auxiliary loss of a mixture-of-experts student's last own forward (router load
         balancing, z-loss; a stop-gradient target pass does not replace it), whose router statistics
-        (expert load overall and per noise level) are logged."""
+        (expert load overall and per noise level) are logged on logging steps only (reading them to the host
+        is a device sync)."""
         from distill.models.moe import moe_aux_and_stats
 
-        aux, stats = moe_aux_and_stats(self.student)
+        aux, stats = moe_aux_and_stats(self.student, with_stats=self._logging_step())
         if stats:
             self.log_dict(stats, batch_size=batch_size)
         if aux is None:
             return loss
         self.log("train/aux_loss", aux, batch_size=batch_size)
         return loss + aux
+
+    def _logging_step(self) -> bool:
+        """Whether Lightning writes this step's logged values (every ``trainer.log_every_n_steps``, and at the
+        end); True outside a trainer."""
+        trainer = self._trainer
+        if trainer is None:
+            return True
+        connector = getattr(trainer, "_logger_connector", None)
+        return bool(getattr(connector, "should_update_logs", True))
 
     def trainable_parameters(self):
         return [p for p in self.student.parameters() if p.requires_grad]

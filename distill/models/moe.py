@@ -424,8 +424,10 @@ def token_moe_student(teacher_unet: UNet2DConditionModel, num_experts: int = 4, 
     return model.train().requires_grad_(True)
 
 
-def moe_aux_and_stats(module: nn.Module, prefix: str = "router/") -> tuple[torch.Tensor | None, dict[str, float]]:
-    """The auxiliary loss and router statistics of a MoE student's last forward; (None, {}) for dense ones."""
+def moe_aux_and_stats(module: nn.Module, prefix: str = "router/",
+                      with_stats: bool = True) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The auxiliary loss and (``with_stats``) router statistics of a MoE student's last forward; (None, {}) for
+    dense ones."""
     if not hasattr(module, "router_stats"):
         return None, {}
-    return module.aux_loss(), module.router_stats(prefix)
+    return module.aux_loss(), module.router_stats(prefix) if with_stats else {}
