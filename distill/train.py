@@ -62,6 +62,20 @@ def _resume_checkpoint(cfg: DictConfig, run_dir: Path) -> tuple[str | None, dict
     return cfg.ckpt_path, safe_load(cfg.ckpt_path)
 
 
+def _refuse_to_overwrite(cfg: DictConfig) -> None:
+    """A fresh start (no ``ckpt_path``) in a checkpoint folder that already holds checkpoints would overwrite them:
+    refused, naming the two ways on."""
+    from distill.utils.checkpoint import candidate_checkpoints
+
+    if cfg.ckpt_path is not None:
+        return
+    found = candidate_checkpoints(str(cfg.checkpoint.dirpath))
+    if found:
+        raise FileExistsError(
+            f"{cfg.checkpoint.dirpath} already holds {len(found)} checkpoint(s) (e.g. {found[0]}); a fresh start would "
+            "overwrite them. Resume with ckpt_path=last, or start in a new run directory (hydra.run.dir=...)")
+
+
 def _check_compatible(checkpoint: dict, path: str, method) -> None:
     """A checkpoint from another method or student architecture is refused before any compute."""
     from distill.callbacks.resilience import describe_run
@@ -148,7 +162,8 @@ def run(cfg: DictConfig) -> dict:
 
     try:
         ckpt_path, checkpoint = _resume_checkpoint(cfg, run_dir)
-    except (CheckpointError, FileNotFoundError) as err:
+        _refuse_to_overwrite(cfg)
+    except (CheckpointError, FileNotFoundError, FileExistsError) as err:
         _fail(run_dir, str(err))
     wandb_id = (checkpoint or {}).get("distill", {}).get("wandb_run_id")
     if wandb_id and cfg.logger.get("wandb") is not None:  # the resumed run continues the same wandb run

@@ -135,7 +135,7 @@ def test_preemption_signal_saves_exits_and_the_same_command_resumes(straight, tm
         pytest.skip("signal arrived after the final step")
     assert proc.returncode == 75, err[-3000:]
     saved = safe_load(run_dir / "checkpoints" / "last.ckpt")
-    assert 2 <= saved["global_step"] < N and "relaunch the same command to resume" in out + err
+    assert 2 <= saved["global_step"] < N and "relaunch the same command with ckpt_path=last" in out + err
     again = run_train(*COMMON, "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")  # the same command
     assert again.returncode == 0, again.stderr[-3000:]
     _assert_same_run(straight, run_dir)
@@ -371,3 +371,14 @@ def test_preemption_under_accumulation_saves_at_the_step_boundary(tmp_path):
     trainer.fit(Toy(), loader)
     saved = safe_load(tmp_path / "last.ckpt")
     assert preemption.preempted and trainer.global_step == saved["global_step"] == 2  # after batch 4 of 8
+
+
+def test_a_fresh_start_never_overwrites_the_checkpoints_of_a_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_train(*COMMON, "trainer.max_steps=2", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
+    again = run_train(*COMMON, "trainer.max_steps=2", "logger=csv", f"hydra.run.dir={run_dir}")  # no ckpt_path
+    assert again.returncode == 2
+    assert "ckpt_path=last" in again.stderr and "hydra.run.dir" in again.stderr
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before

@@ -127,8 +127,8 @@ class Preemption(L.Callback):
         path = f"{str(dirpath).rstrip('/')}/{self.checkpoint_name}"  # a local folder or an fsspec URL
         trainer.save_checkpoint(path, weights_only=False)
         name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
-        log.warning("received %s: saved %s at step %d and stopping; relaunch the same command to resume",
-                    name, path, trainer.global_step)
+        log.warning("received %s: saved %s at step %d and stopping; relaunch the same command with ckpt_path=last "
+                    "(and the same hydra.run.dir) to resume", name, path, trainer.global_step)
         self.preempted = True
         trainer.should_stop = True
 
