@@ -42,6 +42,7 @@ SWITCHES = {
     "channels_last": ["method.channels_last=true"],
     "fused_adamw": ["+method.optimizer.fused=true"],
     "compile": ["method.compile=true"],
+    "cache+teacher_bf16": ["method.latent_cache=true", "method.frozen_dtype=bf16"],
     "cache+bf16": ["method.latent_cache=true", "method.frozen_dtype=bf16", "trainer.precision=bf16-mixed"],
     "cache+bf16+compile": ["method.latent_cache=true", "method.frozen_dtype=bf16", "trainer.precision=bf16-mixed",
                            "method.compile=true"],
