@@ -226,3 +226,26 @@ def test_cached_dataset_refuses_another_format(tmp_path, teacher, digits):
     meta.write_text(meta.read_text().replace('"format": 1', '"format": 99'))
     with pytest.raises(ValueError, match="delete the folder"):
         CachedLatentDataset(cache.folder)
+
+
+SHRUNK = ["trainer.limit_val_batches=0", "callbacks.samples=null", "callbacks.progress=null", "export=false",
+          "sample_grid_seeds=0", "logger=csv"]
+
+
+@pytest.mark.parametrize("exp, extra", [
+    # two rounds: the second round's teacher is a copy of the student, prepared by the same switches
+    ("progressive", ["method.start_steps=8", "method.final_steps=4", "method.steps_per_round=2",
+                     "callbacks.quality_cost=null", "method.frozen_dtype=bf16", "trainer.precision=bf16-mixed",
+                     "method.channels_last=true"]),
+    ("teacher", ["student.size=debug"]),  # plain latent diffusion: the cache stands in for its VAE encode
+])
+def test_progressive_and_plain_latent_diffusion_take_the_same_switches(tmp_path, exp, extra):
+    run_dir = tmp_path / "run"
+    proc = run_train(f"+exp={exp}", "data.batch_size=8", "trainer.max_steps=4", "method.latent_cache=true",
+                     f"method.latent_cache_dir={tmp_path / 'cache'}", *extra, *SHRUNK, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "encoding" in (run_dir / "train.log").read_text()
+    state = safe_load(run_dir / "checkpoints" / "last.ckpt")
+    assert state["global_step"] == 4
+    if exp == "progressive":
+        assert state["progressive"]["round_index"] == 1  # the hand-over happened under the switches

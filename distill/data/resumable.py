@@ -69,10 +69,13 @@ class ResumableSampler(Sampler[int]):
 
 def resumable_loader(dataset, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True,
                      num_workers: int = 0) -> DataLoader:
-    """A DataLoader over a ``ResumableSampler``; its worker seeds come from its own generator too."""
+    """A DataLoader over a ``ResumableSampler``; its worker seeds come from its own generator too. Batches are
+    prepared off the training loop's critical path: in ``num_workers`` persistent worker processes, and in pinned
+    memory when a CUDA device will take them (an asynchronous host-to-device copy)."""
     sampler = ResumableSampler(len(dataset), batch_size, shuffle, seed, drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=num_workers,
-                      persistent_workers=num_workers > 0, generator=torch.Generator().manual_seed(seed))
+                      persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
+                      generator=torch.Generator().manual_seed(seed))
 
 
 class ResumableDataMixin:
