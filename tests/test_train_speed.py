@@ -234,7 +234,7 @@ SHRUNK = ["trainer.limit_val_batches=0", "callbacks.samples=null", "callbacks.pr
 
 @pytest.mark.parametrize("exp, extra", [
     # two rounds: the second round's teacher is a copy of the student, prepared by the same switches
-    ("progressive", ["method.start_steps=8", "method.final_steps=4", "method.steps_per_round=2",
+    ("progressive", ["method.start_steps=8", "method.final_steps=2", "method.steps_per_round=2",
                      "callbacks.quality_cost=null", "method.frozen_dtype=bf16", "trainer.precision=bf16-mixed",
                      "method.channels_last=true"]),
     ("teacher", ["student.size=debug"]),  # plain latent diffusion: the cache stands in for its VAE encode
@@ -249,3 +249,36 @@ def test_progressive_and_plain_latent_diffusion_take_the_same_switches(tmp_path,
     assert state["global_step"] == 4
     if exp == "progressive":
         assert state["progressive"]["round_index"] == 1  # the hand-over happened under the switches
+
+
+def test_vae_encodes_in_float32_inside_a_mixed_precision_step(teacher, digits):
+    from distill.methods.base import encode_latents
+
+    pixels = _batch([digits.train_set[i] for i in range(4)])["pixel_values"]
+    plain = encode_latents(teacher.vae, pixels, torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = encode_latents(teacher.vae, pixels, torch.Generator().manual_seed(0))
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, plain, rtol=0, atol=0)
+
+
+def test_progressive_runs_only_the_original_teacher_in_the_frozen_dtype(teacher):
+    """After a hand-over the teacher is a trained student: it runs at the student's precision, because the
+    x-target divides by a_e - s_e a_t / s_t and so amplifies the teacher's error."""
+    from distill.methods.progressive import ProgressiveDistillation
+
+    torch.manual_seed(0)
+    method = ProgressiveDistillation(teacher, lambda unet: copy_student(unet), optimizer=torch.optim.AdamW,
+                                     start_steps=8, final_steps=2, steps_per_round=1, frozen_dtype="bf16")
+    method._check_frozen_dtype()
+    x, t, cond = torch.randn(2, 4, 8, 8), torch.tensor([10, 500]), torch.randn(2, 16, 64)
+    assert method.teacher_is_original
+    with torch.no_grad():
+        fp32 = teacher.unet(x, t, encoder_hidden_states=cond).sample
+    if method_base.cpu_has_bf16():
+        assert not torch.equal(method.teacher_forward(x, t, cond), fp32)  # the original teacher: bf16
+    method.finish_round()
+    assert not method.teacher_is_original
+    with torch.no_grad():
+        student = method.student(x, t, encoder_hidden_states=cond).sample
+    torch.testing.assert_close(method.teacher_forward(x, t, cond), student, rtol=0, atol=0)

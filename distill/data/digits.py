@@ -52,6 +52,7 @@ class DigitsDataset(Dataset):
 
         digest = hashlib.sha256(self.images.contiguous().numpy().tobytes())
         digest.update(self.labels.numpy().tobytes())
+        digest.update("\n".join(caption_for(int(label)) for label in self.labels).encode())
         return digest.hexdigest()
 
     def __getitem__(self, i: int) -> dict:

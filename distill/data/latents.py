@@ -97,10 +97,12 @@ def build_latent_cache(dataset: Dataset, vae: nn.Module, folder: Path, batch_siz
         del mean_mm, std_mm
         meta = {"format": FORMAT_VERSION, "num_items": start, "captions": captions, "labels": labels}
         (tmp / "meta.json").write_text(json.dumps(meta))
-        if folder.exists():  # another rank or run finished first: keep theirs
-            shutil.rmtree(tmp)
-        else:
+        try:
             os.replace(tmp, folder)
+        except OSError:  # another process finished first (the folder exists and is not empty): keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (folder / "meta.json").exists():
+                raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,8 +25,10 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
 
 @torch.no_grad()
 def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Images (N, C, H, W) -> a sample of the VAE posterior times ``scaling_factor`` (Rombach et al. 2022)."""
-    dist = vae.encode(pixels).latent_dist
+    """Images (N, C, H, W) -> a sample of the VAE posterior times ``scaling_factor`` (Rombach et al. 2022), in
+    float32 even inside a mixed-precision step: the latents are the data (as the latent cache holds them)."""
+    with torch.autocast(pixels.device.type, enabled=False):
+        dist = vae.encode(pixels.float()).latent_dist
     noise = torch.randn(dist.mean.shape, generator=generator).to(dist.mean)
     return (dist.mean + dist.std * noise) * vae.config.scaling_factor
 
@@ -79,8 +81,8 @@ def _check_compile_supported(device: torch.device | None = None) -> None:
 
 
 def cpu_has_bf16() -> bool:
-    """Whether oneDNN runs bfloat16 natively on this CPU (AVX512-BF16 or AMX)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether this CPU has native bfloat16 arithmetic (AVX512-BF16 or AMX); elsewhere oneDNN emulates it, slower."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 class DistillMethod(L.LightningModule):
@@ -126,11 +128,11 @@ class DistillMethod(L.LightningModule):
             module.compile()
         return module
 
-    def frozen_autocast(self):
-        """Autocast in ``frozen_dtype`` around a frozen network's pass (a no-op without it)."""
+    def frozen_autocast(self, enabled: bool = True):
+        """Autocast in ``frozen_dtype`` around a frozen network's pass (a no-op without it or unless ``enabled``)."""
         from contextlib import nullcontext
 
-        if self._frozen_autocast_dtype is None:
+        if self._frozen_autocast_dtype is None or not enabled:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self._frozen_autocast_dtype)
 
@@ -150,14 +152,16 @@ class DistillMethod(L.LightningModule):
                                                 "networks stay in float32")
             self._frozen_autocast_dtype = None
 
-    def setup(self, stage: str) -> None:
+    def on_fit_start(self) -> None:
+        """After the strategy has moved the networks to their device (``setup`` runs before): check the dtype and
+        compiler there, prepare the networks, and encode the latent cache on that device."""
         self._check_frozen_dtype()
         if self.compile_networks:
             _check_compile_supported(self.device)
         if self.compile_networks or self.channels_last:
             for module in [self.student, *self.frozen_networks()]:
                 self.prepare_network(module)
-        if self.latent_cache and stage == "fit":
+        if self.latent_cache:
             self._attach_latent_cache()
 
     def check_latent_cache(self, datamodule) -> None:
@@ -172,15 +176,18 @@ class DistillMethod(L.LightningModule):
                              f"imagefolder); {type(datamodule).__name__} streams its data: set method.latent_cache=false")
 
     def _attach_latent_cache(self) -> None:
-        from distill.data.latents import cached_latents
+        from distill.data.latents import CachedLatentDataset, cached_latents
 
         datamodule, vae = self.trainer.datamodule, self.vae
         self.check_latent_cache(datamodule)
-        strategy = self.trainer.strategy
-        if strategy.is_global_zero:
+        if isinstance(datamodule.train_set, CachedLatentDataset):  # a second fit on the same data module
+            return
+        # one process per node builds (the cache folder may be local to each node); the others wait and read it
+        builder = self.trainer.local_rank == 0
+        if builder:
             cached = cached_latents(datamodule.train_set, vae, self.latent_cache_dir, build=True)
-        strategy.barrier("latent_cache")
-        if not strategy.is_global_zero:
+        self.trainer.strategy.barrier("latent_cache")
+        if not builder:
             cached = cached_latents(datamodule.train_set, vae, self.latent_cache_dir, build=False)
         datamodule.train_set = cached
 

@@ -52,6 +52,9 @@ class DiffusionTraining(DistillMethod):
         **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
         super().__init__(optimizer, lr_scheduler, **speed)
+        if self.frozen_dtype is not None:
+            raise ValueError(f"method.frozen_dtype={self.frozen_dtype}: plain diffusion training has no frozen network "
+                             "run every step (the VAE encodes in float32, or use method.latent_cache=true); set it to null")
         self.save_hyperparameters(ignore=["student", "noise_scheduler", "conditioner", "optimizer", "lr_scheduler", "vae"])
         if noise_scheduler.config.prediction_type != prediction_type:
             raise ValueError(

@@ -70,6 +70,12 @@ class TeacherStudentDistillation(DistillMethod):
         return self
 
     @property
+    def teacher_is_original(self) -> bool:
+        """Whether ``teacher_unet`` is the loaded teacher (run in ``frozen_dtype``); a trained student acting as
+        the teacher runs at the student's precision, as a consistency target does."""
+        return True
+
+    @property
     def teacher_reloads(self) -> bool:
         """Whether ``teacher_unet`` is the loaded teacher, rebuilt from its pipeline on resume and so left out of
         checkpoints; a method whose teacher becomes a trained network says otherwise."""
@@ -106,7 +112,7 @@ class TeacherStudentDistillation(DistillMethod):
         if lora:
             self.student.disable_adapters()
         try:
-            with self.frozen_autocast():
+            with self.frozen_autocast(self.teacher_is_original):
                 return self.teacher_unet(x, t, encoder_hidden_states=cond, **unet_kwargs).sample.float()
         finally:
             if lora:

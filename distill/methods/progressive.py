@@ -124,6 +124,11 @@ class ProgressiveDistillation(TeacherStudentDistillation):
     def teacher_reloads(self) -> bool:
         return self.round_index == self.first_round  # later teachers are trained students, kept in checkpoints
 
+    @property
+    def teacher_is_original(self) -> bool:
+        # later teachers are students: their errors are amplified by the x-target's 1 / (a_e - s_e a_t / s_t)
+        return self.round_index == self.first_round
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["progressive"] = {"round_index": self.round_index, "guidance_scale": self.guidance_scale,
