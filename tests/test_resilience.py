@@ -220,10 +220,17 @@ def test_pickled_code_is_not_executed(tmp_path):
 # ---------------------------------------------------------------- non-finite guard and bad resumes
 
 
-def test_nonfinite_steps_are_skipped_and_counted(tmp_path):
+# fused AdamW (the default) takes AMP's found_inf: the guard skips on the device, without a host sync per step
+SKIP_WAYS = {"host": ["method.optimizer.fused=false"], "device": []}
+
+
+@pytest.mark.parametrize("way", SKIP_WAYS)
+def test_nonfinite_steps_are_skipped_and_counted(tmp_path, way):
     run_dir = tmp_path / "run"
-    proc = run_train(*COMMON, "resilience.inject_nonfinite_at_steps=[2,3]", "logger=csv", f"hydra.run.dir={run_dir}")
+    proc = run_train(*COMMON, *SKIP_WAYS[way], "resilience.inject_nonfinite_at_steps=[2,3]", "logger=csv",
+                     f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"non-finite guard: skips bad steps on the {way}" in (run_dir / "train.log").read_text()
     rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
     assert max(float(r["train/nonfinite_skipped"]) for r in rows if r.get("train/nonfinite_skipped")) == 2.0
     ckpt2, ckpt4 = (safe_load(run_dir / "checkpoints" / f"step_000000{s}.ckpt") for s in (2, 4))
@@ -233,14 +240,38 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path):
             assert torch.equal(v, ckpt2["state_dict"][k]), k
 
 
-def test_consecutive_nonfinite_steps_abort_and_keep_good_checkpoints(tmp_path):
+@pytest.mark.parametrize("way", SKIP_WAYS)
+def test_consecutive_nonfinite_steps_abort_and_keep_good_checkpoints(tmp_path, way):
     run_dir = tmp_path / "run"
-    proc = run_train(*COMMON, "resilience.inject_nonfinite_at_steps=[3,4,5]", "resilience.max_consecutive_nonfinite=3",
-                     "logger=csv", f"hydra.run.dir={run_dir}")
+    # on the device the counters are read on logging steps (here every 10) and before each checkpoint (every step)
+    proc = run_train(*COMMON, *SKIP_WAYS[way], "resilience.inject_nonfinite_at_steps=[3,4,5]",
+                     "resilience.max_consecutive_nonfinite=3", "trainer.log_every_n_steps=10", "logger=csv",
+                     f"hydra.run.dir={run_dir}")
     assert proc.returncode == 3 and "3 consecutive steps had a non-finite loss or gradient" in proc.stderr
     for ckpt in (run_dir / "checkpoints").glob("*.ckpt"):
         assert all(torch.isfinite(v).all() for v in safe_load(ckpt)["state_dict"].values())
     assert safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"] <= 5
+
+
+def test_device_side_skip_leaves_lcm_student_target_and_adam_state_unchanged(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(*LCM, "resilience.inject_nonfinite_at_steps=[2]", "logger=csv",
+                     f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "skips bad steps on the device" in log and "1 optimizer step(s) skipped since step 2" in log
+    ckpt2, ckpt3, ckpt4 = (safe_load(run_dir / "checkpoints" / f"step_000000{s}.ckpt") for s in (2, 3, 4))
+    targets = [k for k in ckpt2["state_dict"] if k.startswith("target.")]
+    assert targets  # the EMA target is in the module's state
+    for k, v in ckpt3["state_dict"].items():  # the 3rd step moved neither the student nor the target
+        if k.startswith(("student.", "target.")):
+            assert torch.equal(v, ckpt2["state_dict"][k]), k
+    moved = [k for k in targets if not torch.equal(ckpt4["state_dict"][k], ckpt3["state_dict"][k])]
+    assert moved  # the 4th step ran and moved the target
+    state2, state3 = (c["optimizer_states"][0]["state"] for c in (ckpt2, ckpt3))
+    for i, s in state3.items():  # AdamW's moments and step count as they were: found_inf skipped the update
+        assert float(s["step"]) == float(state2[i]["step"]) == 2.0
+        assert torch.equal(s["exp_avg"], state2[i]["exp_avg"]) and torch.equal(s["exp_avg_sq"], state2[i]["exp_avg_sq"])
 
 
 def test_checkpoint_of_another_architecture_is_refused_before_compute(tmp_path):

@@ -166,37 +166,63 @@ def test_compiled_student_and_frozen_networks_train_and_resume(tmp_path):
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 3
 
 
-def _one_shard(folder) -> str:
+def _digit_shard(folder, digits, n: int) -> str:
+    """The first ``n`` training digits as one webdataset shard (key.png + key.txt, unique keys)."""
     import io
     import tarfile
 
     folder.mkdir()
     path = folder / "shard-000000.tar"
     with tarfile.open(path, "w") as tar:
-        for name, payload in (("0.png", _png()), ("0.txt", b"a shape")):
-            info = tarfile.TarInfo(name)
-            info.size = len(payload)
-            tar.addfile(info, io.BytesIO(payload))
+        for i in range(n):
+            item = digits.train_set[i]
+            pixels = ((item["pixel_values"].permute(1, 2, 0).numpy() + 1) * 127.5).round().clip(0, 255)
+            buffer = io.BytesIO()
+            Image.fromarray(pixels.astype(np.uint8).squeeze(-1) if pixels.shape[-1] == 1 else pixels.astype(np.uint8)).save(buffer, format="PNG")
+            for name, payload in ((f"{i:04d}.png", buffer.getvalue()), (f"{i:04d}.txt", f"{i}: {item['caption']}".encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
     return str(path)
 
 
-def _png() -> bytes:
-    import io
+def test_streamed_data_is_encoded_in_the_workers_as_the_vae_encodes_it(teacher, digits, tmp_path):
+    from distill.data.latents import PosteriorEncoder
+    from distill.data.shards import WebDatasetDataModule
 
-    buffer = io.BytesIO()
-    Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
+    urls = _digit_shard(tmp_path / "shards", digits, 12)
+    plain = WebDatasetDataModule(urls, resolution=32, channels=1, batch_size=5, shuffle_buffer=4)
+    encoded = WebDatasetDataModule(urls, resolution=32, channels=1, batch_size=5, shuffle_buffer=4, num_workers=1)
+    encoded.encode_in_workers(PosteriorEncoder(teacher.vae))
+    images = {c: b["pixel_values"][i] for b in plain.train_dataloader() for i, c in enumerate(b["caption"])}
+    batches = list(encoded.train_dataloader())
+    assert [len(b["caption"]) for b in batches] == [5, 5, 2] and "pixel_values" not in batches[0]
+    latents = {c: (b["latent_mean"][i], b["latent_std"][i]) for b in batches for i, c in enumerate(b["caption"])}
+    assert sorted(latents) == sorted(images)  # every streamed image, encoded once
+    captions = sorted(images)
+    with torch.no_grad():
+        dist = teacher.vae.encode(torch.stack([images[c] for c in captions])).latent_dist
+    mean = torch.stack([latents[c][0] for c in captions])
+    std = torch.stack([latents[c][1] for c in captions])
+    torch.testing.assert_close(mean, dist.mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(std, dist.std, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("override, code, needle", [
-    ("method.frozen_dtype=fp8", 1, "bf16"),
-    ("method.latent_cache=true data=webdataset data.urls=SHARD", 2, "method.latent_cache=false"),
-])
-def test_bad_speed_settings_fail_with_a_message(tmp_path, override, code, needle):
-    override = override.replace("SHARD", _one_shard(tmp_path / "shards") if "SHARD" in override else "")
-    proc = run_train(*LCM, *override.split(), "logger=csv", f"hydra.run.dir={tmp_path / 'run'}")
-    assert proc.returncode == code, proc.stderr[-2000:]
-    assert needle in proc.stderr
+def test_streamed_training_with_latent_cache_encodes_in_workers(tmp_path, digits):
+    urls = _digit_shard(tmp_path / "shards", digits, 24)
+    run_dir = tmp_path / "run"
+    proc = run_train(*LCM, "data=webdataset", f"data.urls={urls}", "data.resolution=32", "data.channels=1", "data.num_workers=1",
+                     "data.shuffle_buffer=8", "method.latent_cache=true", "trainer.max_steps=3", "logger=csv",
+                     f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 3
+    assert "training process" not in (run_dir / "train.log").read_text()  # no warning: the workers encoded
+
+
+def test_bad_speed_settings_fail_with_a_message(tmp_path):
+    proc = run_train(*LCM, "method.frozen_dtype=fp8", "logger=csv", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "bf16" in proc.stderr
 
 
 def test_compile_where_unsupported_and_bf16_without_hardware(teacher, monkeypatch, caplog):
@@ -282,3 +308,85 @@ def test_progressive_runs_only_the_original_teacher_in_the_frozen_dtype(teacher)
     with torch.no_grad():
         student = method.student(x, t, encoder_hidden_states=cond).sample
     torch.testing.assert_close(method.teacher_forward(x, t, cond), student, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- bench/train_speed.py's
+# reference configuration (diffusers' train_lcm_distill_sd_wds.py, which is not in the wheel)
+
+def test_digit_shards_decode_through_the_reference_scripts_webdataset_steps(tmp_path):
+    import webdataset as wds
+
+    from bench import train_speed
+
+    pattern, n = train_speed.write_digit_shards(tmp_path, resolution=32, per_shard=2, limit=5)
+    assert n == 5 and pattern.endswith("digits-{000000..000002}.tar")
+    # the script's steps: decode("pil") (RGB, or grey as its runner sets for a 1-channel VAE), rename, to_tuple
+    samples = list(wds.DataPipeline(wds.SimpleShardList(pattern), wds.tarfile_to_samples(), wds.decode("pill"),
+                                    wds.rename(image="jpg;png;jpeg;webp", text="text;txt;caption"),
+                                    wds.to_tuple("image", "text")))
+    digits = DigitsDataModule(resolution=32)
+    digits.setup()
+    assert [text for _, text in samples] == [digits.train_set[i]["caption"] for i in range(5)]
+    image = samples[3][0]
+    assert image.size == (32, 32) and image.mode == "L"
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32)) / 127.5 - 1
+    torch.testing.assert_close(pixels, digits.train_set[3]["pixel_values"][0], rtol=0, atol=1.001 / 255)
+
+
+def test_torchvision_stand_in_does_what_the_reference_loader_needs():
+    from bench import train_speed
+
+    modules = train_speed.torchvision_stand_in()
+    functional, transforms = modules["torchvision.transforms.functional"], modules["torchvision.transforms"]
+    image = Image.fromarray(np.arange(32 * 32, dtype=np.uint8).reshape(32, 32), mode="L")
+    assert functional.resize(image, 32, interpolation=transforms.InterpolationMode.BILINEAR) is image
+    assert functional.resize(image, 16).size == (16, 16)
+    top, left, h, w = transforms.RandomCrop.get_params(image, output_size=(32, 32))
+    assert (top, left, h, w) == (0, 0, 32, 32)
+    tensor = functional.normalize(functional.to_tensor(functional.crop(image, top, left, h, w)), [0.5], [0.5])
+    assert tensor.shape == (1, 32, 32)
+    torch.testing.assert_close(tensor[0], torch.from_numpy(np.asarray(image, dtype=np.float32)) / 127.5 - 1)
+
+
+def test_reference_arguments_follow_the_consistency_experiment():
+    from bench import train_speed
+
+    settings = train_speed.distill_settings()
+    args = train_speed.reference_args(settings, 32, 6, "shards.tar", "out")
+    given = dict(zip(args[::2], args[1::2]))
+    assert given["--train_batch_size"] == "32" and given["--max_train_steps"] == "6"
+    assert given["--mixed_precision"] == "no" and given["--loss_type"] == "huber"
+    assert float(given["--w_min"]) == settings["w_min"] == 1.0 and float(given["--w_max"]) == 5.0  # scales 2-6
+    assert given["--resolution"] == "32" and float(given["--learning_rate"]) == 2e-4
+
+
+def test_reference_without_the_script_exits_2_saying_how_to_get_it(monkeypatch, capsys):
+    from bench import train_speed
+
+    monkeypatch.setattr("sys.argv", ["train_speed.py", "--configs", "default", "reference"])
+    with pytest.raises(SystemExit) as exit_:
+        train_speed.main()
+    assert exit_.value.code == 2
+    assert "git clone https://github.com/huggingface/diffusers" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_reference_script_runs_and_is_timed(tmp_path):
+    """Needs your copy of the script: DISTILL_REFERENCE_SCRIPT=.../train_lcm_distill_sd_wds.py."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.environ.get("DISTILL_REFERENCE_SCRIPT")
+    if not script:
+        pytest.skip("set DISTILL_REFERENCE_SCRIPT to diffusers' examples/consistency_distillation/"
+                    "train_lcm_distill_sd_wds.py")
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "bench/train_speed.py", "--configs", "reference", "--reference-script",
+                           script, "--batch-sizes", "8", "--steps", "3", "--warmup", "1", "--repeats", "1", "--out",
+                           str(tmp_path / "raw.json")], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raw = __import__("json").loads((tmp_path / "raw.json").read_text())
+    assert raw["8"]["reference"][0]["images_per_s"] > 0
+    assert "--mixed_precision" in raw["reference"]["commands"]["8"]

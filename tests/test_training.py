@@ -112,6 +112,47 @@ def test_ema_skips_a_step_the_nonfinite_guard_skipped():
     assert ema.ema.weight.item() == pytest.approx(0.5) and ema.seen_images == 4
 
 
+def test_ema_follows_a_device_side_skip_mask_as_the_host_skip():
+    """The guard's 0/1 mask on the device (a fused optimizer skipped the step through found_inf, gradients kept):
+    a 0 moves neither the EMA nor its image count, a 1 is the host path's update, and the count checkpoints as
+    an int."""
+    ema, module = _ema_of_zero_student_now_one()
+    trainer, batch = _Trainer(), {"pixel_values": torch.zeros(4, 1)}
+    module.step_applied_mask = torch.tensor(0.0)
+    ema.on_train_batch_end(trainer, module, None, batch, 0)
+    assert ema.ema.weight.item() == 0.0 and int(ema.seen_images) == 0
+    module.step_applied_mask = torch.tensor(1.0)
+    ema.on_train_batch_end(trainer, module, None, batch, 1)
+    assert ema.ema.weight.item() == pytest.approx(0.5) and ema.state_dict()["seen_images"] == 4
+    ema.on_train_batch_end(trainer, module, None, batch, 2)
+    assert ema.ema.weight.item() == pytest.approx(0.75)
+
+
+def test_device_side_guard_counts_on_the_device_and_aborts_on_a_run_ended_before_the_read():
+    from distill.callbacks.resilience import NonFiniteLossError
+
+    class Trainer(_Trainer):
+        optimizers, log_every_n_steps = [], 100
+        precision_plugin = object()
+
+    module = _Module()
+    module.automatic_optimization, module.device = True, torch.device("cpu")
+    module.student.weight.grad = torch.ones(1, 1)
+    optimizer = torch.optim.AdamW(module.student.parameters(), lr=0.1, fused=True)
+    trainer, guard = Trainer(), NonFiniteGuard(max_consecutive=2)
+    trainer.optimizers = [optimizer]
+    guard.on_fit_start(trainer, module)
+    assert guard.device_side
+    for loss in (float("nan"), float("nan"), 1.0):  # two bad steps in a row, then a good one: no read yet
+        guard.on_before_backward(trainer, module, torch.tensor(loss))
+        guard.on_before_optimizer_step(trainer, module, optimizer)
+        assert float(optimizer.found_inf) == float(loss != loss) and float(module.step_applied_mask) == float(loss == loss)
+    assert guard.skipped == 0  # nothing read on the host between logging steps
+    with pytest.raises(NonFiniteLossError, match="2 consecutive steps"):
+        guard.state_dict()  # read before a checkpoint is written: the run of 2 is not missed
+    assert guard.skipped == 2 and guard.consecutive == 0
+
+
 def test_ema_resumed_mid_window_keeps_the_windows_images():
     ema, module = _ema_of_zero_student_now_one()
     trainer, batch = _Trainer(), {"pixel_values": torch.zeros(4, 1)}

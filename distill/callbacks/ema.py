@@ -8,11 +8,18 @@ import lightning as L
 import torch
 
 from distill.data.latents import batch_size_of
-from distill.utils.optim import ema_update_, has_gradients
+from distill.utils.optim import ema_update_, step_applied
 
 
-def ema_beta(batch_images: int, half_life_images: float, seen_images: int, rampup_ratio: float | None) -> float:
-    """beta = 0.5 ** (batch / half_life); with ramp-up the half-life is at most rampup_ratio * seen images."""
+def ema_beta(batch_images: int, half_life_images: float, seen_images: int | torch.Tensor,
+             rampup_ratio: float | None) -> float | torch.Tensor:
+    """beta = 0.5 ** (batch / half_life); with ramp-up the half-life is at most rampup_ratio * seen images.
+    ``seen_images`` may be a tensor on the device (a count masked by skipped steps): beta is then one too."""
+    if isinstance(seen_images, torch.Tensor):
+        half_life = torch.full_like(seen_images, float(half_life_images), dtype=torch.float64)
+        if rampup_ratio is not None:
+            half_life = torch.minimum(half_life, seen_images.double() * rampup_ratio)
+        return torch.pow(0.5, batch_images / half_life.clamp(min=1e-8))
     half_life = half_life_images
     if rampup_ratio is not None:
         half_life = min(half_life, seen_images * rampup_ratio)
@@ -54,11 +61,18 @@ class EMA(L.Callback):
             return
         batch_images, self._window_images = self._window_images, 0
         module = getattr(pl_module, self.attr)
-        if not has_gradients(module):
+        applied = step_applied(pl_module, module)
+        if applied is False:
             return
-        self.seen_images += batch_images
+        if applied is True:
+            self.seen_images += batch_images
+            beta = ema_beta(batch_images, self.half_life_images, self.seen_images, self.rampup_ratio)
+            ema_update_(self.ema, module, 1.0 - beta)
+            return
+        # the guard skips on the device: count and average through its 0/1 mask, no host sync
+        self.seen_images = self.seen_images + batch_images * applied.to(torch.int64)
         beta = ema_beta(batch_images, self.half_life_images, self.seen_images, self.rampup_ratio)
-        ema_update_(self.ema, module, 1.0 - beta)
+        ema_update_(self.ema, module, ((1.0 - beta) * applied).float())
 
     @property
     def swapped_out(self) -> bool:
@@ -88,7 +102,7 @@ class EMA(L.Callback):
             getattr(pl_module, self.attr).load_state_dict(self.ema.state_dict())
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema.state_dict() if self.ema is not None else None, "seen_images": self.seen_images,
+        return {"ema": self.ema.state_dict() if self.ema is not None else None, "seen_images": int(self.seen_images),
                 "window_images": self._window_images}
 
     def load_state_dict(self, state: dict) -> None:

@@ -140,10 +140,23 @@ class Preemption(L.Callback):
 
 
 class NonFiniteGuard(L.Callback):
-    """A non-finite loss or gradient on any rank skips the optimizer step on all ranks (gradients are
-    dropped, so the weights and optimizer moments stay as they were); skipped steps are counted and
-    logged, and ``max_consecutive`` bad steps in a row abort the run with a clear error. The abort
-    happens before any checkpoint of this step is written, so the last good checkpoint stays."""
+    """A non-finite loss or gradient on any rank skips the optimizer step on all ranks (the weights and
+    optimizer moments stay as they were, and so do the EMA and the consistency target); skipped steps are
+    counted and logged, and ``max_consecutive`` bad steps in a row abort the run with a clear error before
+    any later checkpoint is written, so the last good checkpoint stays.
+
+    Two ways to skip, chosen at the start of training:
+
+    * **on the device**, without a host sync per step, when the optimizer takes AMP's ``found_inf`` flag
+      (``_step_supports_amp_scaling``: fused AdamW/Adam/SGD, e.g. ``method.optimizer.fused=true``) and no
+      gradient scaler owns that flag (not ``16-mixed``): the bad-step flag is computed and reduced over ranks
+      as a tensor, handed to the optimizer as ``found_inf`` (it then leaves weights, moments and step count
+      unchanged, as under GradScaler), and exposed as ``pl_module.step_applied_mask`` for the EMA updates.
+      The counters live on the device and are read on the host only on logging steps, when a checkpoint is
+      written and at the end; the longest run of bad steps since the last read is kept, so an abort is never
+      missed, only reported at the next read;
+    * **on the host** otherwise: one flag read per step; every gradient is dropped, which any optimizer skips.
+    """
 
     def __init__(self, max_consecutive: int = 10, inject_at_steps: list[int] | tuple = ()):
         if max_consecutive < 1:
@@ -152,16 +165,33 @@ class NonFiniteGuard(L.Callback):
         self.inject_at_steps = set(inject_at_steps)  # fault injection for tests: NaN gradients at these steps
         self.skipped = 0
         self.consecutive = 0
-        self._loss_finite = True
+        self.device_side = False
+        self._loss_finite: bool | torch.Tensor = True
+        self._counters: torch.Tensor | None = None  # on the device: skipped, consecutive, longest run since read
+        self._read_step = 0  # the step of the last host read
 
     def state_dict(self) -> dict:
+        self._read(None, None)  # a checkpoint is never written after an abort-worthy run of bad steps
         return {"skipped": self.skipped, "consecutive": self.consecutive}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.skipped, self.consecutive = state_dict.get("skipped", 0), state_dict.get("consecutive", 0)
+        self._counters = None
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        optimizers = trainer.optimizers
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.device_side = (len(optimizers) == 1 and pl_module.automatic_optimization and scaler is None
+                            and getattr(optimizers[0], "_step_supports_amp_scaling", False))
+        if not self.device_side:
+            pl_module.step_applied_mask = None
+        log.info("non-finite guard: skips bad steps on the %s", "device (optimizer found_inf, no per-step host "
+                 "sync)" if self.device_side else "host (one flag read per step; a fused optimizer, "
+                 "method.optimizer.fused=true, skips on the device)")
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
-        self._loss_finite = bool(torch.isfinite(loss.detach()).all())
+        finite = torch.isfinite(loss.detach()).all()
+        self._loss_finite = finite if self.device_side else bool(finite)
 
     def on_after_backward(self, trainer, pl_module) -> None:
         if trainer.global_step in self.inject_at_steps:
@@ -171,7 +201,10 @@ class NonFiniteGuard(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        # one device sync per step: a single reduction over every gradient, not one per parameter
+        if self.device_side:
+            self._flag_on_device(trainer, pl_module, optimizer, params)
+            return
+        # one host sync per step: a single reduction over every gradient, not one per parameter
         finite = self._loss_finite and (not params or bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all()))
         bad = trainer.strategy.reduce_boolean_decision(not finite, all=False)
         if not bad:
@@ -184,12 +217,55 @@ class NonFiniteGuard(L.Callback):
         pl_module.log("train/nonfinite_skipped", float(self.skipped), rank_zero_only=True)
         log.warning("non-finite loss or gradient at step %d: optimizer step skipped (%d in a row, %d in all)",
                     trainer.global_step, self.consecutive, self.skipped)
-        if self.consecutive >= self.max_consecutive:
+        self._check_abort(trainer.global_step, self.consecutive)
+
+    def _flag_on_device(self, trainer, pl_module, optimizer, params) -> None:
+        device = params[0].device if params else pl_module.device
+        finite = torch.as_tensor(self._loss_finite, device=device)
+        if params:
+            finite = finite & torch.stack([torch.isfinite(p.grad).all() for p in params]).all()
+        bad = (~finite).float()
+        if trainer.world_size > 1:  # any rank's bad step skips it everywhere; an all-reduce on the device
+            bad = (trainer.strategy.reduce(bad, reduce_op="sum") > 0).float()
+        optimizer.found_inf = bad
+        pl_module.step_applied_mask = 1.0 - bad
+        if self._counters is None or self._counters.device != device:
+            self._counters = torch.tensor([self.skipped, self.consecutive, self.consecutive], dtype=torch.float64,
+                                          device=device)
+        skipped, consecutive, longest = self._counters.unbind()
+        consecutive = (consecutive + 1) * bad
+        self._counters = torch.stack([skipped + bad, consecutive, torch.maximum(longest, consecutive)])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.device_side and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            self._read(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._read(trainer, None)  # no metric logging from this hook
+
+    def _read(self, trainer, pl_module) -> None:
+        """The device counters on the host: log what was skipped since the last read, abort on a long run."""
+        if self._counters is None:
+            return
+        skipped, consecutive, longest = (int(v) for v in self._counters.tolist())
+        self._counters[2] = consecutive  # the longest run restarts from the current one
+        step = trainer.global_step if trainer is not None else None
+        if skipped > self.skipped:
+            if pl_module is not None:
+                pl_module.log("train/nonfinite_skipped", float(skipped), rank_zero_only=True)
+            log.warning("non-finite loss or gradient: %d optimizer step(s) skipped since step %d (%d in all)%s",
+                        skipped - self.skipped, self._read_step, skipped, "" if step is None else f", now step {step}")
+        self.skipped, self.consecutive = skipped, consecutive
+        self._read_step = step if step is not None else self._read_step
+        self._check_abort(step, longest)
+
+    def _check_abort(self, step, run: int) -> None:
+        if run >= self.max_consecutive:
+            where = "" if step is None else f" (read at step {step})"
             raise NonFiniteLossError(
-                f"{self.consecutive} consecutive steps had a non-finite loss or gradient (last at step "
-                f"{trainer.global_step}); stopped without saving. The last good checkpoint is kept. Lower the "
-                "learning rate, enable gradient clipping (trainer.gradient_clip_val), or raise "
-                "resilience.max_consecutive_nonfinite"
+                f"{run} consecutive steps had a non-finite loss or gradient{where}; stopped without saving. The "
+                "last good checkpoint is kept. Lower the learning rate, enable gradient clipping "
+                "(trainer.gradient_clip_val), or raise resilience.max_consecutive_nonfinite"
             )
 
 

@@ -109,6 +109,24 @@ def build_latent_cache(dataset: Dataset, vae: nn.Module, folder: Path, batch_siz
     return folder
 
 
+class PosteriorEncoder:
+    """Images -> the frozen VAE's posterior (``latent_mean``, ``latent_std``), for data that cannot be cached:
+    a streamed training set is encoded in the data loader's workers, off the training step (each worker holds
+    this float32 CPU copy of the VAE; the step then draws from the posterior as from a cache)."""
+
+    def __init__(self, vae: nn.Module):
+        import copy
+
+        self.vae = copy.deepcopy(vae).to("cpu", torch.float32).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> dict:
+        dist = self.vae.encode(batch["pixel_values"].to(torch.float32)).latent_dist
+        out = {k: v for k, v in batch.items() if k != "pixel_values"}
+        out["latent_mean"], out["latent_std"] = dist.mean.float(), dist.std.float()
+        return out
+
+
 class CachedLatentDataset(Dataset):
     """Items ``latent_mean``, ``latent_std`` (the VAE posterior, unscaled), ``caption`` and ``label`` of a cache
     folder, read from memory-mapped arrays (no image is decoded)."""

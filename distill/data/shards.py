@@ -51,6 +51,13 @@ class WebDatasetDataModule(L.LightningDataModule):
         self.resolution, self.channels = resolution, channels
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.shuffle_buffer, self.seed, self.num_workers = shuffle_buffer, seed, num_workers
+        self.encoder = None
+
+    def encode_in_workers(self, encoder) -> None:
+        """Train on encoded batches: ``encoder`` (a picklable batch -> batch callable, e.g. the frozen VAE's
+        ``distill.data.latents.PosteriorEncoder``) runs in the data loader's workers on each collated batch, so
+        that a stream too large to cache is still encoded off the training step (``data.num_workers`` > 0)."""
+        self.encoder = encoder
 
     def _decode(self, sample: dict) -> dict:
         key = next((k for k in IMAGE_KEYS if k in sample), None)
@@ -75,7 +82,14 @@ class WebDatasetDataModule(L.LightningDataModule):
         return ds.map(self._decode)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self._dataset(self.urls, True), batch_size=self.batch_size, num_workers=self.num_workers)
+        if self.encoder is None:
+            return DataLoader(self._dataset(self.urls, True), batch_size=self.batch_size, num_workers=self.num_workers)
+        from torch.utils.data import default_collate
+
+        # batches are collated and encoded in the workers; the loader passes them through as they are
+        ds = self._dataset(self.urls, True).batched(self.batch_size, collation_fn=default_collate, partial=True)
+        return DataLoader(ds.map(self.encoder), batch_size=None, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._dataset(self.heldout_urls or self.urls[:1], False), batch_size=self.eval_batch_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -95,7 +96,8 @@ class DistillMethod(L.LightningModule):
     f_student - f_target compares like with like: measured at initialisation, a bf16 target moves the target by
     ~57% of the residual, a bf16 teacher by 1.4-5.9%; the VAE encodes in float32: its latents are the data);
     ``channels_last`` stores the convolution weights channels-last; ``latent_cache`` trains from the frozen VAE's posterior of every training image,
-    encoded once into ``latent_cache_dir`` (distill.data.latents) instead of encoding every batch.
+    encoded once into ``latent_cache_dir`` (distill.data.latents) instead of encoding every batch; a streamed
+    training set (webdataset) cannot be cached and is encoded in the data workers instead.
     The student's own precision is Lightning's ``trainer.precision`` (e.g. bf16-mixed).
     """
 
@@ -139,7 +141,6 @@ class DistillMethod(L.LightningModule):
     def _check_frozen_dtype(self) -> None:
         """bf16/fp16 autocast where the device runs it; bf16 on a CPU without native bf16 falls back to float32
         with a warning (it would be slower, not wrong)."""
-        import logging
 
         dtype, device = self._frozen_autocast_dtype, self.device
         if dtype is None:
@@ -171,15 +172,25 @@ class DistillMethod(L.LightningModule):
             return
         if getattr(self, "vae", None) is None:
             raise ValueError("method.latent_cache=true needs a VAE: this method trains in pixel space; set it to false")
-        if datamodule is None or not hasattr(datamodule, "train_set"):
+        if datamodule is None or not (hasattr(datamodule, "train_set") or hasattr(datamodule, "encode_in_workers")):
             raise ValueError(f"method.latent_cache=true needs a map-style data module with a train_set (digits, "
-                             f"imagefolder); {type(datamodule).__name__} streams its data: set method.latent_cache=false")
+                             f"imagefolder) or a stream that encodes in its workers (webdataset); "
+                             f"{type(datamodule).__name__} is neither: set method.latent_cache=false")
 
     def _attach_latent_cache(self) -> None:
         from distill.data.latents import CachedLatentDataset, cached_latents
 
         datamodule, vae = self.trainer.datamodule, self.vae
         self.check_latent_cache(datamodule)
+        if not hasattr(datamodule, "train_set"):  # a stream: nothing to cache, encode in the data workers instead
+            from distill.data.latents import PosteriorEncoder
+
+            if not getattr(datamodule, "num_workers", 0):
+                logging.getLogger(__name__).warning(
+                    "method.latent_cache=true on a stream with data.num_workers=0: the VAE encodes in the training "
+                    "process; set data.num_workers to encode in the data workers")
+            datamodule.encode_in_workers(PosteriorEncoder(vae))
+            return
         if isinstance(datamodule.train_set, CachedLatentDataset):  # a second fit on the same data module
             return
         # one process per node builds (the cache folder may be local to each node); the others wait and read it

@@ -18,7 +18,7 @@ from distill.diffusion.consistency import (
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
 from distill.models.teacher import Teacher
-from distill.utils.optim import ema_update_, has_gradients
+from distill.utils.optim import ema_update_, step_applied
 
 
 class LatentConsistencyDistillation(TeacherStudentDistillation):
@@ -122,14 +122,18 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
     def optimizer_step(self, *args, **kwargs) -> None:
         """The optimizer step, then the target's EMA update: once per optimizer step (not per micro-batch under
         gradient accumulation) and before the checkpoint callbacks run, so that a checkpoint holds the target of
-        its own step. A step skipped by the non-finite guard (every gradient dropped, the student unchanged)
-        leaves the target unchanged too."""
+        its own step. A step skipped by the non-finite guard (the student unchanged) leaves the target unchanged
+        too: on the host (every gradient dropped) or on the device (the guard's 0/1 mask scales the update)."""
         super().optimizer_step(*args, **kwargs)
-        if self.target is not None and has_gradients(self.student):
-            self._update_target()
+        if self.target is None:
+            return
+        applied = step_applied(self, self.student)
+        if applied is not False:
+            self._update_target(applied)
 
-    def _update_target(self) -> None:
-        ema_update_(self.target, self.student, 1.0 - self.ema_decay, buffers=False)
+    def _update_target(self, applied: bool | torch.Tensor = True) -> None:
+        weight = 1.0 - self.ema_decay
+        ema_update_(self.target, self.student, weight if applied is True else weight * applied, buffers=False)
 
     # ------------------------------------------------------------------ sampling and export
 

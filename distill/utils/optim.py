@@ -7,15 +7,29 @@ import torch
 
 def has_gradients(module: torch.nn.Module) -> bool:
     """Whether the optimizer step that just ran moved ``module``: the non-finite guard skips a step by dropping
-    every gradient, and Lightning zeroes gradients only before the next backward."""
+    every gradient (on the host), and Lightning zeroes gradients only before the next backward."""
     return any(p.grad is not None for p in module.parameters())
 
 
+def step_applied(pl_module, module: torch.nn.Module) -> bool | torch.Tensor:
+    """Whether the optimizer step that just ran moved ``module``: ``False`` when the non-finite guard skipped it
+    on the host (every gradient dropped); when the guard skips on the device (an optimizer that takes
+    ``found_inf``, as AMP's GradScaler uses it), a 0-dim float tensor on the device, 1 for a step that ran and 0
+    for a skipped one, so that what follows the step (EMA updates) can be masked without a host sync."""
+    if not has_gradients(module):
+        return False
+    mask = getattr(pl_module, "step_applied_mask", None)
+    return True if mask is None else mask
+
+
 @torch.no_grad()
-def ema_update_(average: torch.nn.Module, live: torch.nn.Module, weight: float, buffers: bool = True) -> None:
+def ema_update_(average: torch.nn.Module, live: torch.nn.Module, weight: float | torch.Tensor,
+                buffers: bool = True) -> None:
     """``average <- average + weight * (live - average)`` for every floating-point tensor in one fused
     ``torch._foreach_lerp_`` (weight = 1 - decay); integer tensors (counters) are copied. With ``buffers`` the
-    whole state dict is averaged (the EMA callback), without it the parameters only (a consistency target)."""
+    whole state dict is averaged (the EMA callback), without it the parameters only (a consistency target).
+    ``weight`` may be a 0-dim tensor on the device (a weight masked by ``step_applied``): a zero weight leaves
+    the average and its counters as they were."""
     if buffers:
         pairs = list(zip(average.state_dict().values(), live.state_dict().values()))
     else:
@@ -26,4 +40,4 @@ def ema_update_(average: torch.nn.Module, live: torch.nn.Module, weight: float, 
         torch._foreach_lerp_(list(targets), list(sources), weight)
     for a, b in pairs:
         if not a.dtype.is_floating_point:
-            a.copy_(b)
+            a.copy_(b if not isinstance(weight, torch.Tensor) else torch.where(weight > 0, b.to(a.device), a))
