@@ -82,14 +82,16 @@ class WebDatasetDataModule(L.LightningDataModule):
         return ds.map(self._decode)
 
     def train_dataloader(self) -> DataLoader:
+        # off the step's critical path: persistent workers, pinned host memory when a GPU takes the batches
+        off_path = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0,
+                    "pin_memory": torch.cuda.is_available()}
         if self.encoder is None:
-            return DataLoader(self._dataset(self.urls, True), batch_size=self.batch_size, num_workers=self.num_workers)
+            return DataLoader(self._dataset(self.urls, True), batch_size=self.batch_size, **off_path)
         from torch.utils.data import default_collate
 
         # batches are collated and encoded in the workers; the loader passes them through as they are
         ds = self._dataset(self.urls, True).batched(self.batch_size, collation_fn=default_collate, partial=True)
-        return DataLoader(ds.map(self.encoder), batch_size=None, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        return DataLoader(ds.map(self.encoder), batch_size=None, **off_path)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self._dataset(self.heldout_urls or self.urls[:1], False), batch_size=self.eval_batch_size)
