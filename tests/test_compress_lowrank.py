@@ -120,6 +120,17 @@ def test_energy_threshold_picks_the_rank_of_the_formula():
     assert choose_ranks(model, energy=0.7502, only_if_smaller=False).ranks == {"0": 2}
 
 
+def test_rules_by_layer_kind_and_name_pattern_first_match_wins():
+    singular_values = [2.0 ** -i for i in range(12)]  # energy 0.5 -> rank 1, 0.99 -> rank 4
+    model = nn.Sequential(_linear_with_spectrum(singular_values, 40), _linear_with_spectrum(singular_values, 40, 1),
+                          nn.Conv2d(12, 16, 3))
+    report = choose_ranks(model, energy={"1": 0.99, "linear": 0.5}, only_if_smaller=False)
+    assert report.ranks == {"0": 1, "1": 4}
+    assert report.layers[2].rank is None and report.layers[2].note == "no energy rule matches"
+    report = choose_ranks(model, rank=2, layer_kinds=("conv",))
+    assert report.ranks == {"2": 2} and report.layers[0].note == "linear not in layer_kinds"
+
+
 def test_a_layer_stays_dense_where_the_factors_would_not_be_smaller():
     # Linear(40, 12): r * (40 + 12) < 480 holds up to r = 9
     model = nn.Sequential(_linear_with_spectrum([1.0] * 12, 40))
@@ -190,19 +201,26 @@ def test_save_pretrained_round_trip_is_exact(teacher_unet, unet_inputs, tmp_path
         assert torch.equal(back(*unet_inputs).sample, low(*unet_inputs).sample)
 
 
-def test_pipeline_export_loads_with_diffusers_and_samples(teacher_unet, tmp_path):
-    pipe = StableDiffusionPipeline.from_pretrained(asset_path("teacher"))
-    low, _ = lowrank_unet(pipe.unet, energy=0.9)
-    pipe.register_modules(unet=low)
-    pipe.save_pretrained(tmp_path)
-    loaded = DiffusionPipeline.from_pretrained(tmp_path)
-    assert type(loaded.unet) is LowRankUNet2DConditionModel
+def assert_unet_export_samples(pipe: StableDiffusionPipeline, unet: UNet2DConditionModel, folder) -> None:
+    """``pipe`` saved with ``unet`` loads with ``DiffusionPipeline.from_pretrained``, with ``unet``'s class, samples
+    what the in-memory pipeline samples, and runs diffusers' default call."""
+    pipe.register_modules(unet=unet)
+    pipe.save_pretrained(folder)
+    loaded = DiffusionPipeline.from_pretrained(folder)
+    assert type(loaded.unet) is type(unet)
     for p in (pipe, loaded):
         p.set_progress_bar_config(disable=True)
     images = [p(PROMPT, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt").images
               for p in (pipe, loaded)]
     assert torch.equal(images[0], images[1])
-    assert loaded(PROMPT).images[0].size == (32, 32)  # diffusers' default call
+    assert loaded(PROMPT).images[0].size == (32, 32)
+
+
+def test_pipeline_export_loads_with_diffusers_and_samples(tmp_path):
+    pipe = StableDiffusionPipeline.from_pretrained(asset_path("teacher"))
+    low, _ = lowrank_unet(pipe.unet, energy=0.9)
+    assert type(low) is LowRankUNet2DConditionModel
+    assert_unet_export_samples(pipe, low, tmp_path)
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -8,7 +8,8 @@ relative Frobenius error of the weight is sqrt(sum_{i>r} s_i^2 / sum_i s_i^2), w
 
 Ranks are chosen per layer by ``choose_ranks``: an explicit rank, an energy threshold (the smallest r keeping
 at least ``energy`` of sum s_i^2), or a global parameter budget, filled greedily by retained energy per
-parameter. A layer is factorised only where that saves parameters: r * (in + out) < in * out for a linear
+parameter (the sum of the layers' squared relative errors is what it minimises). A layer is factorised only
+where that saves parameters: r * (in + out) < in * out for a linear
 layer, r * (in*k*k + out) < out * in*k*k for a convolution.
 
 ``LowRankUNet2DConditionModel`` is a diffusers ``UNet2DConditionModel`` whose config records the ranks
@@ -248,7 +249,8 @@ def _matches(key: str, name: str, kind: str) -> bool:
     return key == kind if key in LAYER_KINDS else fnmatch(name, key)
 
 
-def _candidates(model: nn.Module, keep_dense: Iterable[str]) -> tuple[list, list[LayerRank]]:
+def _candidates(model: nn.Module, keep_dense: Iterable[str],
+                layer_kinds: tuple[str, ...]) -> tuple[list, list[LayerRank]]:
     """([(name, module, kind)] that may be factorised, [LayerRank] of the linear/conv layers that may not)."""
     keep_dense = tuple(keep_dense)
     candidates, kept = [], []
@@ -256,17 +258,17 @@ def _candidates(model: nn.Module, keep_dense: Iterable[str]) -> tuple[list, list
         kind = _kind(module)
         if kind is None:
             continue
-        out, inner = _dims(module)
-        note = ""
         pattern = next((p for p in keep_dense if fnmatch(name, p)), None)
         if pattern is not None:
             note = f"keep_dense {pattern!r}"
         elif kind == "conv" and module.groups != 1:
             note = f"groups={module.groups}"
-        if note:
-            kept.append(LayerRank(name, kind, (out, inner), _numel(module), None, _numel(module), 0.0, note))
+        elif kind not in layer_kinds:
+            note = f"{kind} not in layer_kinds"
         else:
             candidates.append((name, module, kind))
+            continue
+        kept.append(LayerRank(name, kind, _dims(module), _numel(module), None, _numel(module), 0.0, note))
     return candidates, kept
 
 
@@ -311,6 +313,8 @@ def choose_ranks(model: nn.Module, *, rank: int | Mapping[str, int] | None = Non
       rank 1; then, greedily, the step with the most retained energy (s_i^2 / sum s^2, relative to its own layer)
       per parameter is taken -- one more rank, or going back to dense where the next rank would save nothing --
       while it fits. The result is within one rank step (in*k*k + out parameters of one layer) under the budget.
+      This greedily minimises the sum over layers of the squared predicted errors, each layer counting alike, so
+      small layers fill up first and large ones may be left at a low rank.
 
     ``rank`` and ``energy`` take a scalar or a mapping whose keys are a layer kind ("linear", "conv") or fnmatch
     patterns of module names, the first matching key winning; layers no key matches stay dense. Layers matching
@@ -324,49 +328,43 @@ def choose_ranks(model: nn.Module, *, rank: int | Mapping[str, int] | None = Non
     layer_kinds = tuple(layer_kinds)
     if unknown := set(layer_kinds) - set(LAYER_KINDS):
         raise ValueError(f"layer_kinds={list(layer_kinds)}: {sorted(unknown)} not among {list(LAYER_KINDS)}")
-    candidates, layers = _candidates(model, keep_dense)
-    for name, module, kind in candidates:
-        if kind not in layer_kinds:
-            out, inner = _dims(module)
-            layers.append(LayerRank(name, kind, (out, inner), _numel(module), None, _numel(module), 0.0,
-                                    f"{kind} not in layer_kinds"))
-    candidates = [c for c in candidates if c[2] in layer_kinds]
-    model_params = _numel(model)
+    candidates, layers = _candidates(model, keep_dense, layer_kinds)
     if budget is not None:
         budget = _check_fraction("budget", budget)
         chosen, budget_params = _budget_ranks(candidates, budget)
-        report = LowRankReport([], model_params, f"budget={budget}", budget_params)
+        report = LowRankReport([], _numel(model), f"budget={budget}", budget_params)
     else:
-        arg, value, check = ("rank", rank, _check_rank) if rank is not None else ("energy", energy, _check_fraction)
-        rules = _rules(arg, value, check)
-        chosen = {}
-        used = set()
-        for name, module, kind in candidates:
-            key, v, label = next((rule for rule in rules if _matches(rule[0], name, kind)), (None, None, None))
-            if key is None:
-                chosen[name] = (None, None, f"no {arg} rule matches")
-                continue
-            used.add(key)
-            energies = _energies(module)
-            if arg == "rank":
-                out, inner = _dims(module)
-                if v > min(out, inner):
-                    raise ValueError(f"{label}={v} exceeds the full rank {min(out, inner)} of {name} "
-                                     f"({kind}, weight matrix {out}x{inner}); lower it, or leave the layer "
-                                     "dense with keep_dense")
-                chosen[name] = (v, energies, "")
-            else:
-                chosen[name] = (energy_rank(energies, v), energies, "")
-        if isinstance(value, Mapping) and (unused := [k for k in value if k not in used]):
-            raise ValueError(f"{arg} keys {unused} match no factorisable layer; check the module names "
-                             "(model.named_modules()) or remove them")
-        report = LowRankReport([], model_params, f"{arg}={value}")
+        arg, value = ("rank", rank) if rank is not None else ("energy", energy)
+        chosen = _rule_ranks(candidates, arg, value)
+        report = LowRankReport([], _numel(model), f"{arg}={value}")
     for name, module, kind in candidates:
         r, energies, note = chosen[name]
         layers.append(_layer(name, module, kind, energies, r, only_if_smaller or budget is not None, note))
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     report.layers = sorted(layers, key=lambda layer: order[layer.name])
     return report
+
+
+def _rule_ranks(candidates: list, arg: str, value) -> dict:
+    """{name: (rank or None, energies, note)} by a ``rank`` or ``energy`` rule; see ``choose_ranks``."""
+    rules = _rules(arg, value, _check_rank if arg == "rank" else _check_fraction)
+    chosen, used = {}, set()
+    for name, module, kind in candidates:
+        key, v, label = next((rule for rule in rules if _matches(rule[0], name, kind)), (None, None, None))
+        if key is None:
+            chosen[name] = (None, None, f"no {arg} rule matches")
+            continue
+        used.add(key)
+        energies = _energies(module)
+        out, inner = _dims(module)
+        if arg == "rank" and v > min(out, inner):
+            raise ValueError(f"{label}={v} exceeds the full rank {min(out, inner)} of {name} ({kind}, weight "
+                             f"matrix {out}x{inner}); lower it, or leave the layer dense with keep_dense")
+        chosen[name] = (v if arg == "rank" else energy_rank(energies, v), energies, "")
+    if isinstance(value, Mapping) and (unused := [k for k in value if k not in used]):
+        raise ValueError(f"{arg} keys {unused} match no factorisable layer; check the module names "
+                         "(model.named_modules()) or remove them")
+    return chosen
 
 
 def _budget_ranks(candidates: list, budget: float) -> tuple[dict, int]:
