@@ -63,6 +63,9 @@ ProgressiveMethodConfig = builds(
     "ProgressiveMethodConfig", "distill.methods.progressive.ProgressiveDistillation", exclude=(*_BUILT, "teacher"),
     kwargs_of=_SPEED,
     choices={"student_prediction_type": PredictionType, "loss_weighting": LossWeighting})
+FeatureDistillationMethodConfig = builds(
+    "FeatureDistillationMethodConfig", "distill.methods.feature_distillation.FeatureDistillation",
+    exclude=(*_BUILT, "teacher"), kwargs_of=_SPEED)
 
 # ---------------------------------------------------------------- teacher
 
@@ -240,7 +243,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
     "method": {"clip": CLIPMethodConfig, "diffusion": DiffusionMethodConfig, "classifier": ClassifierMethodConfig,
                "vae": VAEMethodConfig, "consistency": ConsistencyMethodConfig,
-               "progressive": ProgressiveMethodConfig},
+               "progressive": ProgressiveMethodConfig, "feature_distillation": FeatureDistillationMethodConfig},
     "teacher": {"teacher": TeacherConfig},
     "student": {"copy": CopyStudentConfig, "lora": LoraStudentConfig, "moe_timestep": TimestepMoEStudentConfig,
                 "moe_token": TokenMoEStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,

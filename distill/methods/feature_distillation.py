@@ -1,0 +1,205 @@
+"""Output and feature distillation of a smaller denoiser from its teacher (BK-SDM, Kim et al. 2023, eq. 1-3).
+
+A compressed student (pruned, low rank, or any UNet with the teacher's block structure) recovers the teacher's
+quality at the teacher's own step count with three terms at one noise level per example:
+
+* the task loss: the denoising regression of the student on the data, ``|| target - s(x_t, c, t) ||^2``;
+* output distillation: ``|| T(x_t, c, t) - s(x_t, c, t) ||^2``, the teacher's prediction as the target;
+* feature distillation: ``sum_l || T_l - s_l ||^2`` over the outputs of every down block, the mid block and
+  every up block, each a mean squared error. Where a pruned student's block output is narrower than the
+  teacher's, a learned 1x1 convolution maps it to the teacher's width first (FitNets' regressor, Romero et al.
+  2015); the regressors train with the student and are not part of the export.
+
+The condition is dropped to the empty prompt with probability ``cond_dropout`` for teacher and student alike,
+so that the student learns the unconditional branch too and samples with classifier-free guidance like the
+teacher, at the teacher's step counts (``scheduler``, ``scheduler.num_inference_steps``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distill.data.latents import batch_size_of
+from distill.diffusion import add_noise, alpha_sigma, prediction_target
+from distill.methods.distillation import TeacherStudentDistillation
+from distill.models.teacher import Teacher
+
+BLOCK_GROUPS = ("down_blocks", "mid_block", "up_blocks")
+
+
+def feature_blocks(unet: nn.Module) -> dict[str, nn.Module]:
+    """The modules whose outputs feature distillation matches: every down block, the mid block, every up block."""
+    if not all(hasattr(unet, g) for g in BLOCK_GROUPS):
+        raise ValueError(f"{type(unet).__name__} has no down_blocks/mid_block/up_blocks to match features at; "
+                         "set method.feature_weight=0 (output distillation only)")
+    blocks = {f"down_blocks.{i}": b for i, b in enumerate(unet.down_blocks)}
+    if unet.mid_block is not None:
+        blocks["mid_block"] = unet.mid_block
+    blocks.update({f"up_blocks.{i}": b for i, b in enumerate(unet.up_blocks)})
+    return blocks
+
+
+class _Recorder:
+    """Forward hooks keeping each block's output (a down block's hidden states, not its skip tensors)."""
+
+    def __init__(self, blocks: dict[str, nn.Module]):
+        self.outputs: dict[str, torch.Tensor] = {}
+        self.handles = [b.register_forward_hook(self._hook(name)) for name, b in blocks.items()]
+
+    def _hook(self, name: str):
+        def hook(module, args, output):
+            self.outputs[name] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def pop(self) -> dict[str, torch.Tensor]:
+        out, self.outputs = self.outputs, {}
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class FeatureDistillation(TeacherStudentDistillation):
+    method_name = "feature_distillation"
+
+    def __init__(
+        self,
+        teacher: Teacher,
+        student: nn.Module | Callable[[nn.Module], nn.Module],
+        optimizer: Callable,
+        lr_scheduler: Callable | None = None,
+        task_weight: float = 1.0,
+        output_weight: float = 1.0,
+        feature_weight: float = 1.0,
+        cond_dropout: float = 0.1,
+        sampling: dict | None = None,
+        **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
+    ):
+        for key, value in (("task_weight", task_weight), ("output_weight", output_weight),
+                           ("feature_weight", feature_weight)):
+            if not value >= 0:
+                raise ValueError(f"method.{key}={value} must be >= 0")
+        if task_weight + output_weight + feature_weight <= 0:
+            raise ValueError("method.task_weight, output_weight and feature_weight are all 0: nothing to train; "
+                             "set at least one > 0")
+        if not 0 <= cond_dropout < 1:
+            raise ValueError(f"method.cond_dropout={cond_dropout} must be in [0, 1)")
+        super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=1.0, guidance_scale_max=1.0,
+                         **speed)
+        self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
+        if self.is_lora:
+            raise ValueError("method=feature_distillation trains a separate smaller student; a LoRA student on the "
+                             "teacher's own UNet has nothing to compress: use student=pruned, lowrank or copy")
+        self.task_weight, self.output_weight, self.feature_weight = task_weight, output_weight, feature_weight
+        self.cond_dropout = cond_dropout
+        self.prediction_type = teacher.prediction_type
+        self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": 3.0, "num_inference_steps": 25})
+        self.register_buffer("alphas_cumprod", teacher.scheduler.alphas_cumprod.clone().float(), persistent=False)
+        self.num_train_timesteps = int(teacher.scheduler.config.num_train_timesteps)
+        self.regressors = nn.ModuleDict()
+        if feature_weight > 0:
+            self._teacher_rec = _Recorder(feature_blocks(self.teacher_unet))
+            self._student_rec = _Recorder(feature_blocks(self.student))
+            self._build_regressors()
+
+    @torch.no_grad()
+    def _build_regressors(self) -> None:
+        """One probe forward of both networks: a 1x1 conv for every block whose output width differs."""
+        cfg = self.student.config
+        size = cfg.sample_size if isinstance(cfg.sample_size, int) else cfg.sample_size[0]
+        x = torch.zeros(1, cfg.in_channels, size, size)
+        t = torch.zeros(1, dtype=torch.long)
+        cond = torch.zeros(1, 1, self.teacher_unet.config.cross_attention_dim)
+        w = {"timestep_cond": torch.zeros(1, cfg.time_cond_proj_dim)} if self.w_dim is not None else {}
+        self.teacher_unet(x, t, encoder_hidden_states=cond)
+        self.student(x, t, encoder_hidden_states=cond, **w)
+        teacher, student = self._teacher_rec.pop(), self._student_rec.pop()
+        for name, f_t in teacher.items():
+            f_s = student[name]
+            if f_s.shape[2:] != f_t.shape[2:]:
+                raise ValueError(f"student block {name} outputs {tuple(f_s.shape[1:])}, the teacher's "
+                                 f"{tuple(f_t.shape[1:])}: spatial sizes must match for feature distillation; set "
+                                 "method.feature_weight=0")
+            if f_s.shape[1] != f_t.shape[1]:
+                conv = nn.Conv2d(f_s.shape[1], f_t.shape[1], 1)
+                self.regressors[name.replace(".", "_")] = conv
+
+    # ------------------------------------------------------------------ objective
+
+    def loss_terms(self, batch: dict, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """The three terms (unweighted) and their weighted sum ``loss`` at one noise level per example."""
+        x0 = self.latents(batch, generator)
+        n = x0.shape[0]
+        drop = torch.rand(n, generator=generator) < self.cond_dropout if self.cond_dropout > 0 else None
+        cond = self.conditioner(batch, drop)["encoder_hidden_states"]
+        t = torch.randint(0, self.num_train_timesteps, (n,), generator=generator).to(x0.device)
+        eps = torch.randn(x0.shape, generator=generator).to(x0)
+        a_t, s_t = alpha_sigma(self.alphas_cumprod, t, x0.ndim)
+        x_t = add_noise(x0, eps, a_t, s_t)
+        teacher_out = self.teacher_forward(x_t, t, cond) if self.output_weight > 0 or self.feature_weight > 0 else None
+        teacher_feats = self._teacher_rec.pop() if self.feature_weight > 0 else {}
+        w = ({"timestep_cond": torch.zeros(n, self.w_dim, device=x0.device, dtype=x0.dtype)}
+             if self.w_dim is not None else {})  # a w-conditioned copy at w = 0 (its zero projection is a no-op)
+        pred = self.student(x_t, t, encoder_hidden_states=cond, **w).sample.float()
+        terms = {"task": F.mse_loss(pred, prediction_target(self.prediction_type, x0, eps, a_t, s_t))}
+        if teacher_out is not None:
+            terms["output"] = F.mse_loss(pred, teacher_out)
+        if self.feature_weight > 0:
+            student_feats = self._student_rec.pop()
+            feats = []
+            for name, f_t in teacher_feats.items():
+                f_s = student_feats[name].float()
+                key = name.replace(".", "_")
+                if key in self.regressors:
+                    f_s = self.regressors[key](f_s)
+                feats.append(F.mse_loss(f_s, f_t.float()))
+            terms["feature"] = torch.stack(feats).sum()
+        weights = {"task": self.task_weight, "output": self.output_weight, "feature": self.feature_weight}
+        terms["loss"] = sum(weights[k] * v for k, v in terms.items() if weights[k] > 0)
+        return terms
+
+    def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        terms = self.loss_terms(batch, generator)
+        if self._trainer is not None and self.training:
+            self.log_dict({f"train/{k}_loss": v.detach() for k, v in terms.items() if k != "loss"},
+                          batch_size=batch_size_of(batch))
+        return terms["loss"]
+
+    def trainable_parameters(self):
+        return [*super().trainable_parameters(), *self.regressors.parameters()]
+
+    # ------------------------------------------------------------------ sampling and export
+
+    @property
+    def num_inference_steps(self) -> int:
+        return int(self.sampling.get("num_inference_steps") or 25)
+
+    def sampling_scheduler(self, name: str | None = None):
+        from distill.inference.schedulers import make_scheduler, scheduler_options
+
+        name = name or self.sampling["name"]
+        options = dict(self.sampling.get("options") or {}) if name == self.sampling["name"] else scheduler_options(name)
+        return make_scheduler(name, self.noise_scheduler_config, **options)
+
+    def call_defaults(self) -> dict:
+        """Sampled as the teacher is: its step count and classifier-free guidance (two branches per step)."""
+        return {"default_num_inference_steps": self.num_inference_steps,
+                "default_guidance_scale": self.sampling["guidance_scale"], "guidance_distilled": False}
+
+    def guidance_source(self) -> str:
+        return "none: the student learns the teacher's conditional and unconditional predictions"
+
+    def guidance_note(self) -> str:
+        return (f"classifier-free guidance at sampling time, as the teacher (trained with condition dropout "
+                f"{self.cond_dropout}): guidance_scale={self.sampling['guidance_scale']} runs a conditional and an "
+                "unconditional branch per step.")
+
+    def export_info(self) -> dict:
+        return {"prediction_type": self.prediction_type, "task_weight": self.task_weight,
+                "output_weight": self.output_weight, "feature_weight": self.feature_weight,
+                "cond_dropout": self.cond_dropout}
