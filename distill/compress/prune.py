@@ -1,0 +1,524 @@
+"""Structured pruning of a diffusers ``UNet2DConditionModel``: whole channels and attention heads are removed,
+so the network gets smaller and faster, not just sparser.
+
+Coupled layers are found by torch-pruning's dependency graph (DepGraph, Fang et al. 2023a): a residual add,
+a skip concatenation or a GroupNorm ties the channels of several layers into one *group* that is pruned
+together. Channel importance is either
+
+* ``magnitude``: squared L2 norm of each channel's weights, averaged over the group's layers
+  (torch-pruning's ``GroupMagnitudeImportance``), or
+* ``taylor``: Diff-Pruning's timestep-aggregated first-order Taylor score (Fang, Ma & Wang 2023, sec. 4):
+  |w * sum_t dL_t/dw| summed over each channel's weights, L_t the denoising loss at timestep t on
+  calibration batches. Timesteps run from low to high noise and the sum stops at the first step whose loss
+  falls below ``threshold`` times the largest loss so far: the late, high-noise steps, which carry little
+  structural information, are left out.
+
+Pruning is iterative (torch-pruning's ``iterative_steps``): each step removes a little more of every
+group's channels (``per_block=False``: ranked globally over the network; ``True``: every group the same
+fraction), and the FLOPs (or parameters) are measured after each step. The returned model is the step
+whose removed fraction is nearest ``ratio``.
+
+What keeps its shape: ``conv_out`` (its output is the prediction) and the time embedding's guidance-scale
+projection ``cond_proj`` (added to the sinusoidal features) are excluded explicitly; ``conv_in``'s input,
+the time embedding's input (the sinusoidal width) and the key/value inputs of cross-attention (the text
+encoder's width) read model inputs or parameter-free ops, so no group reaches them. GroupNorm: torch-pruning
+removes the same channel positions from every normalisation group, so widths stay multiples of
+``num_groups`` and each group keeps its members (its ``round_to`` option is not offered: combined with that
+grouping it removes nothing from GroupNorm layers in torch-pruning 1.6.1). Attention: whole heads are
+removed (q, k, v and the output projection together), never head dimensions: diffusers' attention
+processors take the head width from the tensors and scale scores by 1/sqrt(head_dim), so narrower heads
+would also change every remaining head's softmax temperature.
+
+``PrunedUNet2DConditionModel`` is the export: a ``UNet2DConditionModel`` whose config records the pruned
+layers' shapes (``layer_shapes``), so ``from_pretrained`` rebuilds them before loading the weights; a
+pipeline saved with it as ``unet`` loads with ``DiffusionPipeline.from_pretrained`` once this module is
+imported (``model_index.json`` names it as the UNet's library).
+
+``sparsify_unet`` offers unstructured magnitude sparsity (``torch.nn.utils.prune``) for comparison: same
+shapes and FLOPs, zeros in dense tensors, which dense CPU kernels do not skip.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch_pruning as tp
+from diffusers import ModelMixin, UNet2DConditionModel  # noqa: F401
+from diffusers.models.attention_processor import Attention
+from diffusers.models.downsampling import Downsample2D
+from diffusers.models.upsampling import Upsample2D
+from torch import nn
+
+from distill.diffusion.losses import diffusion_loss
+from distill.diffusion.parametrization import prediction_target
+from distill.metrics.cost import count_flops
+
+# DiffusionPipeline.from_pretrained looks the loadable base classes (ModelMixin) up in the namespace of the
+# library that model_index.json names for a component -- this module -- hence the import above.
+
+TARGETS = ("flops", "params")
+IMPORTANCES = ("magnitude", "taylor")
+MAX_CHANNEL_RATIO = 0.9  # the iterative schedule ends here: no group loses more than 90% of its channels
+TEXT_LEN = 77  # tokens of the example text input (Stable Diffusion's CLIP length) when none is given
+
+# The constructor dimensions that pruning changes, per layer type; everything else is kept from the base UNet.
+SHAPE_ATTRS: dict[type, tuple[str, ...]] = {
+    nn.Conv2d: ("in_channels", "out_channels"),
+    nn.Linear: ("in_features", "out_features"),
+    nn.GroupNorm: ("num_groups", "num_channels"),
+    nn.LayerNorm: ("normalized_shape",),
+    nn.Embedding: ("num_embeddings", "embedding_dim"),
+    Attention: ("heads",),
+    Downsample2D: ("channels", "out_channels"),  # their forward asserts the input width
+    Upsample2D: ("channels", "out_channels"),
+}
+
+
+# ---------------------------------------------------------------- layer shapes and the diffusers export
+
+
+def _shape(module: nn.Module) -> dict | None:
+    attrs = SHAPE_ATTRS.get(type(module))
+    if attrs is None:
+        return None
+    return {a: list(v) if isinstance(v := getattr(module, a), tuple) else v for a in attrs}
+
+
+def layer_shapes(model: nn.Module) -> dict[str, dict]:
+    """{module name: its pruning-relevant dimensions} for every layer of a ``SHAPE_ATTRS`` type."""
+    return {name: s for name, m in model.named_modules() if (s := _shape(m)) is not None}
+
+
+def _resized(module: nn.Module, shape: Mapping) -> nn.Module:
+    """A fresh layer like ``module`` with the recorded dimensions (weights are loaded afterwards)."""
+    if isinstance(module, nn.Conv2d):
+        return nn.Conv2d(shape["in_channels"], shape["out_channels"], module.kernel_size, module.stride,
+                         module.padding, module.dilation, module.groups, module.bias is not None, module.padding_mode)
+    if isinstance(module, nn.Linear):
+        return nn.Linear(shape["in_features"], shape["out_features"], bias=module.bias is not None)
+    if isinstance(module, nn.GroupNorm):
+        return nn.GroupNorm(shape["num_groups"], shape["num_channels"], module.eps, module.affine)
+    if isinstance(module, nn.LayerNorm):
+        return nn.LayerNorm(shape["normalized_shape"], module.eps, module.elementwise_affine,
+                            bias=module.bias is not None)
+    if isinstance(module, nn.Embedding):
+        return nn.Embedding(shape["num_embeddings"], shape["embedding_dim"], module.padding_idx)
+    if isinstance(module, Attention):
+        head_dim = module.inner_dim // module.heads
+        module.heads = shape["heads"]
+        module.inner_dim = module.inner_kv_dim = shape["heads"] * head_dim
+        return module
+    if isinstance(module, (Downsample2D, Upsample2D)):
+        module.channels, module.out_channels = shape["channels"], shape["out_channels"]
+        return module
+    raise ValueError(f"layer_shapes names a {type(module).__name__}, which has no recorded shape")
+
+
+def resize_layers(model: nn.Module, shapes: Mapping[str, Mapping]) -> nn.Module:
+    """Replace (in place) each named layer of ``model`` by one of the recorded shape."""
+    for name, shape in shapes.items():
+        module = model.get_submodule(name)
+        new = _resized(module, shape)
+        if new is not module:
+            model.set_submodule(name, new)
+    return model
+
+
+class PrunedUNet2DConditionModel(UNet2DConditionModel):
+    """A ``UNet2DConditionModel`` whose layers named in ``layer_shapes`` ({module name: dimensions}) are
+    narrower than the base config says. The shapes are part of the config, so ``from_pretrained`` builds
+    the pruned structure and then loads the weights."""
+
+    def __init__(self, *args, layer_shapes: Mapping[str, Mapping] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)  # registers the base UNet's config
+        self.register_to_config(layer_shapes={k: dict(v) for k, v in (layer_shapes or {}).items()})
+        resize_layers(self, self.config.layer_shapes)
+
+    @classmethod
+    def from_pruned(cls, pruned: UNet2DConditionModel, base_config: Mapping,
+                    shapes: Mapping[str, Mapping]) -> PrunedUNet2DConditionModel:
+        """The export of ``pruned`` (a UNet narrowed in place): ``base_config`` plus ``shapes``, its weights."""
+        config = {k: v for k, v in base_config.items() if k != "layer_shapes"}
+        model = cls.from_config(config, layer_shapes=shapes)
+        model.load_state_dict(pruned.state_dict())
+        if model.dtype != pruned.dtype or model.device != pruned.device:
+            model.to(device=pruned.device, dtype=pruned.dtype)
+        return model
+
+
+# ConfigMixin.from_config passes the config keys that __init__'s signature names: the base UNet's and the shapes.
+PrunedUNet2DConditionModel.__init__.__signature__ = inspect.signature(UNet2DConditionModel.__init__).replace(
+    parameters=[*inspect.signature(UNet2DConditionModel.__init__).parameters.values(),
+                inspect.Parameter("layer_shapes", inspect.Parameter.KEYWORD_ONLY, default=None)])
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_ratio(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{key}={value!r} must be a fraction strictly between 0 and 1 (the share to remove), "
+                         f"e.g. {key}=0.5")
+    return float(value)
+
+
+def _check_prunable(unet: nn.Module) -> None:
+    """Only dense diffusers UNets: others are refused with what to do instead."""
+    from distill.models.moe import MoEFeedForward, TimestepMoEUNet, TokenMoEUNet
+
+    name = type(unet).__name__
+    if isinstance(unet, (TimestepMoEUNet, TokenMoEUNet)) or any(isinstance(m, MoEFeedForward) for m in unet.modules()):
+        raise ValueError(
+            f"student {name} is a mixture of experts, which structured pruning does not support (its experts "
+            "are separate networks saved under one dense config). Prune the dense UNet instead -- "
+            "prune_unet(teacher.unet, ratio) -- and distil the pruned UNet as a plain student, or make the "
+            "experts cheaper with fewer experts (student.num_experts) or top_k=1.")
+    if getattr(unet, "peft_config", None):
+        raise ValueError(f"student {name} carries LoRA adapters; merge them first (unet.fuse_lora(); "
+                         "unet.unload_lora()) and prune the merged UNet.")
+    if type(unet) not in (UNet2DConditionModel, PrunedUNet2DConditionModel):
+        raise ValueError(f"student {name} is not a UNet2DConditionModel; prune_unet prunes dense "
+                         "UNet2DConditionModel students (prune before other transforms such as low-rank "
+                         "factorisation).")
+
+
+# ---------------------------------------------------------------- importance
+
+
+def _batches(calib) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = list(calib() if callable(calib) else calib)
+    if not batches:
+        raise ValueError("student.calib is empty: give (latents, encoder_hidden_states) batches")
+    return batches
+
+
+def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timesteps: Iterable[int],
+                                threshold: float = 0.0, seed: int = 0) -> tuple[list[int], list[float]]:
+    """Leave sum_t dL_t/dw in every parameter's ``.grad`` (Diff-Pruning, Fang, Ma & Wang 2023, sec. 4).
+
+    L_t = mean over the calibration batches (x0 latents (N, C, H, W), text states (N, L, D)) of the
+    denoising MSE at timestep t, x_t = alpha_t x0 + sigma_t eps with eps fixed per batch (seeded) and the
+    regression target of the scheduler's ``prediction_type``. Timesteps are taken in ascending order; the
+    sum stops before the first one whose loss is below ``threshold`` times the largest loss so far.
+    Returns the timesteps used and their losses."""
+    batches = _batches(calib)
+    params = [p for p in unet.parameters()]
+    abar_all = noise_scheduler.alphas_cumprod
+    prediction_type = noise_scheduler.config.prediction_type
+    device = next(unet.parameters()).device
+    noises = [torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed + i)) for i, (x0, _) in
+              enumerate(batches)]
+    unet.zero_grad(set_to_none=True)
+    used, losses = [], []
+    with torch.enable_grad():
+        for t in sorted(int(t) for t in timesteps):
+            grads = [torch.zeros_like(p) for p in params]
+            loss_t = 0.0
+            for (x0, cond), eps in zip(batches, noises):
+                x0, cond, eps = x0.to(device), cond.to(device), eps.to(device)
+                abar = abar_all[t].to(device=device, dtype=x0.dtype)
+                alpha, sigma = abar.sqrt(), (1 - abar).sqrt()
+                x_t = alpha * x0 + sigma * eps
+                pred = unet(x_t, torch.full((x0.shape[0],), t, device=device), cond).sample
+                loss = diffusion_loss(pred, prediction_target(prediction_type, x0, eps, alpha, sigma)) / len(batches)
+                for g, dg in zip(grads, torch.autograd.grad(loss, params, allow_unused=True)):
+                    if dg is not None:
+                        g += dg
+                loss_t += float(loss.detach())
+            if losses and loss_t < threshold * max(losses):
+                break
+            for p, g in zip(params, grads):
+                p.grad = g if p.grad is None else p.grad + g
+            used.append(t)
+            losses.append(loss_t)
+    return used, losses
+
+
+# ---------------------------------------------------------------- pruning
+
+
+@dataclass
+class PruneReport:
+    """What ``prune_unet`` did. FLOPs are those of one forward on the example inputs (torch's flop counter:
+    matmuls, attention and convolutions). ``trajectory[k]`` is the fraction of the target removed after k
+    whole iterative steps, up to the first that reached ``ratio``; ``last_step[j]`` the fraction after the
+    first j pruning groups of that step; the model returned is the entry of ``last_step`` nearest ``ratio``
+    (``groups_kept`` groups of the last step)."""
+
+    target: str
+    ratio: float
+    achieved: float
+    params_before: int
+    params_after: int
+    flops_before: int
+    flops_after: int
+    importance: str
+    per_block: bool
+    trajectory: list[float] = field(default_factory=list)
+    last_step: list[float] = field(default_factory=list)
+    groups_kept: int = 0
+    timesteps: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    layer_shapes: dict[str, dict] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        return (f"{self.target} target {self.ratio:.0%}: removed {self.achieved:.1%} of {self.target} | "
+                f"params {self.params_before / 1e6:.3f}M -> {self.params_after / 1e6:.3f}M | "
+                f"GFLOPs {self.flops_before / 1e9:.4f} -> {self.flops_after / 1e9:.4f} | "
+                f"{len(self.layer_shapes)} layers resized")
+
+
+def unet_example_inputs(unet: UNet2DConditionModel, batch_size: int = 1, text_len: int = TEXT_LEN) -> dict:
+    """UNet keyword inputs of the config's shapes (seeded), for tracing and FLOP counting."""
+    c = unet.config
+    if c.addition_embed_type is not None:
+        raise ValueError(f"the UNet's addition_embed_type={c.addition_embed_type!r} needs added_cond_kwargs: "
+                         "pass example_inputs={...} with them to prune_unet")
+    width = c.encoder_hid_dim if c.encoder_hid_dim_type is not None else c.cross_attention_dim
+    if not isinstance(width, int):
+        raise ValueError(f"cross_attention_dim={width!r} is not one width: pass example_inputs to prune_unet")
+    h, w = (c.sample_size, c.sample_size) if isinstance(c.sample_size, int) else c.sample_size
+    g = torch.Generator().manual_seed(0)
+    inputs = {"sample": torch.randn(batch_size, c.in_channels, h, w, generator=g),
+              "timestep": torch.full((batch_size,), 500),
+              "encoder_hidden_states": torch.randn(batch_size, text_len, width, generator=g)}
+    if c.time_cond_proj_dim is not None:
+        inputs["timestep_cond"] = torch.randn(batch_size, c.time_cond_proj_dim, generator=g)
+    if c.class_embed_type is not None or c.num_class_embeds is not None:
+        inputs["class_labels"] = torch.zeros(batch_size, dtype=torch.long)
+    return {k: v.to(unet.device, unet.dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+
+def _output(out):
+    return out.sample if hasattr(out, "sample") else out[0]
+
+
+def _measure(model: nn.Module, inputs: Mapping, target: str) -> int:
+    if target == "params":
+        return sum(p.numel() for p in model.parameters())
+    with torch.no_grad():
+        return count_flops(lambda: model(**inputs))
+
+
+def _head_dims(model: nn.Module) -> dict[str, int]:
+    return {n: m.to_q.out_features // m.heads for n, m in model.named_modules() if isinstance(m, Attention)}
+
+
+def _sync(model: nn.Module, head_dims: Mapping[str, int]) -> None:
+    """Attributes torch-pruning does not know: head counts, and the widths Down/Upsample2D assert."""
+    for name, m in model.named_modules():
+        if isinstance(m, Attention):
+            m.heads = m.to_q.out_features // head_dims[name]
+            m.inner_dim, m.inner_kv_dim = m.to_q.out_features, m.to_k.out_features
+        elif isinstance(m, (Downsample2D, Upsample2D)) and getattr(m, "conv", None) is not None:
+            m.channels, m.out_channels = m.conv.in_channels, m.conv.out_channels
+
+
+def _refresh_split_offsets(graph: tp.DependencyGraph) -> None:
+    """torch-pruning 1.6.1 shrinks a split's sizes when pruning through it but leaves its offsets (the
+    SplitPruner stores them on itself), so a later step maps GEGLU's chunk indices past the end; reset them."""
+    for node in graph.module2node.values():
+        if node.type == tp.ops.OPTYPE.SPLIT and node.module.split_sizes is not None:
+            node.module.offsets = [0, *itertools.accumulate(node.module.split_sizes)]
+
+
+def _prune_heads(graph: tp.DependencyGraph, model: nn.Module, scorer, heads_before: Mapping[str, int],
+                 head_dims: Mapping[str, int], fraction: float) -> None:
+    """Remove whole heads until each attention layer keeps round((1 - fraction) * its original heads), at
+    least one: the heads of least importance (the group score of their channels, averaged) go first.
+    Pruning the output projection's input channels prunes q, k and v with it (one dependency group)."""
+    for name, dim in head_dims.items():
+        out = model.get_submodule(name).to_out[0]
+        heads = out.in_features // dim
+        keep = max(1, round(heads_before[name] * (1 - fraction)))
+        if heads <= keep:
+            continue
+        group = graph.get_pruning_group(out, tp.prune_linear_in_channels, list(range(out.in_features)))
+        per_head = scorer(group).view(heads, dim).mean(1)
+        drop = per_head.argsort()[: heads - keep].tolist()
+        graph.get_pruning_group(out, tp.prune_linear_in_channels, [h * dim + i for h in drop for i in range(dim)]).prune()
+
+
+class _Pruning:
+    """One pruning run: torch-pruning's iterative pruner on a working copy of the UNet, its history of
+    pruned groups, and replays of a prefix of that history on a fresh copy."""
+
+    def __init__(self, unet: UNet2DConditionModel, inputs: Mapping, scorer, target: str, per_block: bool,
+                 prune_heads: bool, iterative_steps: int):
+        self.unet, self.inputs, self.scorer, self.target = unet, inputs, scorer, target
+        self.prune_heads, self.iterative_steps = prune_heads, iterative_steps
+        self.model = self.fresh_copy()
+        self.head_dims = _head_dims(self.model)
+        self.heads_before = {n: self.model.get_submodule(n).heads for n in self.head_dims}
+        self.start = _measure(self.model, inputs, target)
+        attention = [self.model.get_submodule(n) for n in self.head_dims]
+        # conv_out's output is the prediction; a guidance-scale projection adds onto the parameter-free sinusoidal
+        # timestep features; an encoder_hid_proj's output is the config's cross-attention width. q/k/v widths
+        # are left to _prune_heads, which removes whole heads.
+        m = self.model
+        ignored = [x for x in (m.conv_out, m.time_embedding.cond_proj, getattr(m, "encoder_hid_proj", None)) if x]
+        ignored += [p for a in attention for p in (a.to_q, a.to_k, a.to_v)]
+        self.pruner = tp.pruner.BasePruner(
+            m, inputs, scorer, global_pruning=not per_block, pruning_ratio=MAX_CHANNEL_RATIO,
+            max_pruning_ratio=MAX_CHANNEL_RATIO, iterative_steps=iterative_steps, ignored_layers=ignored,
+            output_transform=_output)
+
+    def fresh_copy(self) -> UNet2DConditionModel:
+        model = copy.deepcopy(self.unet).eval()
+        if model.is_gradient_checkpointing:
+            model.disable_gradient_checkpointing()
+        model.zero_grad(set_to_none=True)
+        return model
+
+    def removed(self, model: nn.Module) -> float:
+        return 1 - _measure(model, self.inputs, self.target) / self.start
+
+    def step(self, k: int) -> float:
+        """Whole step k of the schedule; the fraction removed after it."""
+        self.pruner.step()
+        _refresh_split_offsets(self.pruner.DG)
+        if self.prune_heads:
+            _prune_heads(self.pruner.DG, self.model, self.scorer, self.heads_before, self.head_dims,
+                         MAX_CHANNEL_RATIO * k / self.iterative_steps)
+        _sync(self.model, self.head_dims)
+        return self.removed(self.model)
+
+    @property
+    def history(self) -> list:
+        return self.pruner.pruning_history()
+
+    def replay(self, n: int) -> tuple[UNet2DConditionModel, tp.DependencyGraph]:
+        """A fresh copy with the first ``n`` pruned groups of the history pruned again."""
+        model = self.fresh_copy()
+        graph = tp.DependencyGraph().build_dependency(model, self.inputs, output_transform=_output)
+        for entry in self.history[:n]:
+            self.apply(graph, model, entry)
+        return model, graph
+
+    def apply(self, graph: tp.DependencyGraph, model: nn.Module, entry) -> None:
+        graph.load_pruning_history([entry])
+        _refresh_split_offsets(graph)
+        _sync(model, self.head_dims)
+
+
+def _prune_to_ratio(run: _Pruning, ratio: float) -> tuple[UNet2DConditionModel, list[float], list[float], int]:
+    """Whole steps until ``ratio`` is reached, then the last step again group by group, in the order the pruner
+    pruned them: the result is the prefix nearest ``ratio``. Returns it, both trajectories and that prefix."""
+    trajectory, ends = [0.0], [0]
+    for k in range(1, run.iterative_steps + 1):
+        trajectory.append(run.step(k))
+        ends.append(len(run.history))
+        if trajectory[-1] >= ratio:
+            break
+    else:
+        raise ValueError(f"student.ratio={ratio} of {run.target} is out of reach: pruning every group by "
+                         f"{MAX_CHANNEL_RATIO:.0%} removed {trajectory[-1]:.1%}; ask for less")
+    first = ends[-2]
+    model, graph = run.replay(first)
+    last_step = [trajectory[-2]]
+    for entry in run.history[first:ends[-1]]:
+        run.apply(graph, model, entry)
+        last_step.append(run.removed(model))
+        if last_step[-1] >= ratio:
+            break
+    kept = min(range(len(last_step)), key=lambda j: abs(last_step[j] - ratio))
+    if kept < len(last_step) - 1:
+        model, _ = run.replay(first + kept)
+    return model, trajectory, last_step, kept
+
+
+def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops", importance: str = "magnitude",
+               calib: Sequence | Callable[[], Iterable] | None = None, noise_scheduler=None,
+               timesteps: Iterable[int] | None = None, threshold: float = 0.0, per_block: bool = True,
+               prune_heads: bool = True, iterative_steps: int = 50, example_inputs: Mapping | None = None,
+               seed: int = 0) -> tuple[PrunedUNet2DConditionModel, PruneReport]:
+    """Remove ``ratio`` of the UNet's FLOPs (``target="flops"``) or parameters (``"params"``) by structured
+    pruning; ``unet`` is left unchanged.
+
+    ``importance="taylor"`` needs ``calib`` ((latents, encoder_hidden_states) batches, or a callable returning
+    them) and the ``noise_scheduler`` the UNet was trained with; ``timesteps`` (default: 10 evenly spaced) and
+    ``threshold`` select Diff-Pruning's steps. ``per_block=True`` removes the same fraction of channels from
+    every coupled group (a uniform width multiplier); ``False`` ranks channels over the whole network
+    (torch-pruning's global pruning, scores normalised by their group's mean). Heads: every attention layer
+    loses the same fraction of its heads; ``prune_heads=False`` keeps the attention widths. Step k of
+    ``iterative_steps`` removes the fraction 0.9 k / ``iterative_steps``; the FLOPs (params) are measured after
+    each, and the last step is redone group by group to stop at the group nearest ``ratio``.
+    ``example_inputs`` (UNet keyword inputs) set the traced shapes and the counted FLOPs; by default batch 1
+    at the config's sample size with a 77-token text input."""
+    ratio = _check_ratio("student.ratio", ratio)
+    if target not in TARGETS:
+        raise ValueError(f"student.target={target!r} is not one of {list(TARGETS)}")
+    if importance not in IMPORTANCES:
+        raise ValueError(f"student.importance={importance!r} is not one of {list(IMPORTANCES)}")
+    if importance == "taylor" and (calib is None or noise_scheduler is None):
+        raise ValueError("student.importance='taylor' needs calibration batches (student.calib) and the teacher's "
+                         "noise_scheduler; use importance='magnitude' to prune without data")
+    if not 0 <= threshold < 1:
+        raise ValueError(f"student.threshold={threshold!r} must be in [0, 1): 0 keeps every given timestep")
+    if iterative_steps < 1:
+        raise ValueError(f"student.iterative_steps={iterative_steps!r} must be >= 1")
+    _check_prunable(unet)
+
+    inputs = dict(example_inputs) if example_inputs is not None else unet_example_inputs(unet)
+    scorer = tp.importance.GroupTaylorImportance() if importance == "taylor" else \
+        tp.importance.GroupMagnitudeImportance(p=2)
+    run = _Pruning(unet, inputs, scorer, target, per_block, prune_heads, iterative_steps)
+    before_shapes = layer_shapes(run.model)
+    params_before, flops_before = _measure(run.model, inputs, "params"), _measure(run.model, inputs, "flops")
+    used, losses = [], []
+    if importance == "taylor":
+        if timesteps is None:
+            T = noise_scheduler.config.num_train_timesteps
+            timesteps = range(0, T, T // 10)
+        used, losses = accumulate_taylor_gradients(run.model, calib, noise_scheduler, timesteps, threshold, seed)
+
+    model, trajectory, last_step, kept = _prune_to_ratio(run, ratio)
+    changed = {n: s for n, s in layer_shapes(model).items() if s != before_shapes.get(n)}
+    export = _export(unet, model, changed, inputs)
+    params_after, flops_after = _measure(export, inputs, "params"), _measure(export, inputs, "flops")
+    after, start = (params_after, params_before) if target == "params" else (flops_after, flops_before)
+    report = PruneReport(target=target, ratio=ratio, achieved=1 - after / start, params_before=params_before,
+                         params_after=params_after, flops_before=flops_before, flops_after=flops_after,
+                         importance=importance, per_block=per_block, trajectory=trajectory, last_step=last_step,
+                         groups_kept=kept, timesteps=used, losses=losses, layer_shapes=changed)
+    return export, report
+
+
+def _export(unet: UNet2DConditionModel, model: UNet2DConditionModel, changed: Mapping[str, dict],
+            inputs: Mapping) -> PrunedUNet2DConditionModel:
+    """The diffusers export of the pruned working copy, checked to compute what it computes."""
+    shapes = {**dict(unet.config.get("layer_shapes", {})), **changed}  # a pruned UNet pruned again
+    export = PrunedUNet2DConditionModel.from_pruned(model, unet.config, shapes).eval()
+    with torch.no_grad():
+        if not torch.allclose(_output(export(**inputs)), _output(model(**inputs)), atol=1e-5, rtol=1e-4):
+            raise RuntimeError("the pruned export does not reproduce the pruned network; a layer type changed "
+                               f"by pruning is missing from SHAPE_ATTRS ({sorted(t.__name__ for t in SHAPE_ATTRS)})")
+    return export.train(unet.training).requires_grad_(any(p.requires_grad for p in unet.parameters()))
+
+
+# ---------------------------------------------------------------- unstructured sparsity
+
+
+def sparsify_unet(unet: nn.Module, sparsity: float) -> tuple[nn.Module, dict]:
+    """Zero the ``sparsity`` fraction of smallest-magnitude weights over all Conv2d/Linear layers together
+    (global L1 unstructured pruning, ``torch.nn.utils.prune``), made permanent. Shapes and FLOPs are
+    unchanged, and dense kernels do the same work on zeros: this does not reduce CPU latency."""
+    from torch.nn.utils import prune
+
+    sparsity = _check_ratio("student.sparsity", sparsity)
+    model = copy.deepcopy(unet)
+    weights = [(m, "weight") for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    prune.global_unstructured(weights, pruning_method=prune.L1Unstructured, amount=sparsity)
+    for m, name in weights:
+        prune.remove(m, name)
+    total = sum(m.weight.numel() for m, _ in weights)
+    zeros = sum(int((m.weight == 0).sum()) for m, _ in weights)
+    return model, {"sparsity": zeros / total, "weights": total, "zeros": zeros}
