@@ -206,6 +206,11 @@ class TeacherStudentDistillation(DistillMethod):
         pipe.save_pretrained(out_dir)
         return student
 
+    def cfg_pass(self, defaults: dict) -> bool:
+        """Whether the intended call runs a second (unconditional) UNet pass a step, as diffusers decides it: a
+        student without a guidance input (w embedding) whose guidance is not distilled, at a scale above 1."""
+        return self.w_dim is None and not defaults["guidance_distilled"] and defaults["default_guidance_scale"] > 1
+
     def export(self, out_dir: str | Path) -> Path:
         """A distill text-to-image pipeline folder (``pipeline``, its call defaults registered) with distill.json and
         a model card stating the intended call and how the guidance was distilled."""
@@ -219,7 +224,7 @@ class TeacherStudentDistillation(DistillMethod):
                 "pipeline": type(pipe).__name__,
                 "sampling": call_info(self.sampling["name"], type(pipe.scheduler).__name__,
                                       defaults["default_num_inference_steps"],
-                                      defaults["default_guidance_scale"], cfg_pass=False),
+                                      defaults["default_guidance_scale"], cfg_pass=self.cfg_pass(defaults)),
                 "guidance": self.guidance_note(), "guidance_distilled": defaults["guidance_distilled"],
                 **self.export_info()}
         return write_export_info(out_dir, info)
