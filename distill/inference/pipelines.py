@@ -23,11 +23,11 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils.torch_utils import randn_tensor
 
-# The libraries of distill's components (GridDDIMScheduler, the MoE UNets) named in model_index.json:
-# diffusers loads a component only from a library that is already imported, so importing this module is
-# all that loading any distill export needs.
-import distill.inference.schedulers  # noqa: F401
+# The libraries of distill's components (GridDDIMScheduler, the MoE and compressed UNets) named in
+# model_index.json: diffusers loads a component only from a library that is already imported, so importing
+# this module is all that loading any distill export needs.
 import distill.compress.lowrank  # noqa: F401
+import distill.inference.schedulers  # noqa: F401
 import distill.models.moe  # noqa: F401
 from distill.inference.sampling import sample
 
