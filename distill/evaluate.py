@@ -20,6 +20,7 @@ dropped classes, collapsed diversity), every distance in every feature space; no
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.config.schema import register_configs
 from distill.utils.loggers import register_resolvers
+
+log = logging.getLogger(__name__)
 
 register_configs()
 register_resolvers()
@@ -72,8 +75,20 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         raise ValueError(str(err.__cause__ or err)) from err
     eval_set.check(needs_fid=True)  # before the pipeline is loaded
     pipe = load_pipeline(cfg.pipeline)
+    applied = []
+    if cfg.fuse_qkv or cfg.channels_last or cfg.compile:
+        from distill.compress.fusion import fuse_unet
+
+        if cfg.compile:
+            from distill.methods.base import _check_compile_supported
+
+            _check_compile_supported(pipe.device)
+        pipe.unet, applied = fuse_unet(pipe.unet, qkv=cfg.fuse_qkv, channels_last=cfg.channels_last, compile=cfg.compile)
+        log.info("UNet speed-ups: %s", ", ".join(applied))
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
-    model = cfg.model_name or Path(str(cfg.pipeline)).name
+    variant = "".join(f"+{name}" for name, on in (("qkv", cfg.fuse_qkv), ("channels_last", cfg.channels_last),
+                                                     ("compile", cfg.compile)) if on)
+    model = cfg.model_name or Path(str(cfg.pipeline)).name + variant
     evaluator, floor, key = build_evaluator(eval_set, cfg.num_per_class, cfg.seed, cfg.cost_repeats)
     # The scheduler group's options (with any overrides) for its own scheduler; every other one of the
     # sweep takes those of its conf/scheduler/<name>.yaml; an export's own scheduler keeps its class and config.

@@ -180,3 +180,21 @@ def test_fid_bootstrap_strata_are_labels_else_prompt_ids():
     idx = draw_like(labels, torch.tensor([2, 1, 1, 0]), torch.Generator().manual_seed(0))
     assert sorted(labels[idx].tolist()) == [0, 1, 1, 2] and len(set(idx.tolist())) == 4
     assert isinstance(DigitClassifier(), PenultimateFeatures)  # the shipped classifier is measured by .features
+
+
+def test_evaluate_fused_unet_gives_the_same_rows(tiny_sd, tmp_path):
+    """fuse_qkv / channels_last are sampling options: the same images (FID, CLIP within float noise) under a
+    model name that says so."""
+    rows = {}
+    for name, extra in (("plain", []), ("fused", ["fuse_qkv=true", "channels_last=true"])):
+        out = tmp_path / name
+        proc = subprocess.run(
+            [sys.executable, "-m", "distill.evaluate", f"pipeline={tiny_sd}", "schedulers=[ddim]", "steps=[2]",
+             "num_per_class=2", "cost_repeats=1", "grids=false", *extra, f"hydra.run.dir={out}"],
+            capture_output=True, text=True, env={**__import__("os").environ, "HOME": str(tmp_path)},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows[name] = next(csv.DictReader(open(out / "quality_cost.csv")))
+    assert rows["fused"]["model"] == rows["plain"]["model"] + "+qkv+channels_last"
+    for key in ("fid", "clip_score", "prompt_accuracy"):
+        assert float(rows["fused"][key]) == pytest.approx(float(rows["plain"][key]), rel=1e-4, abs=1e-4), key
