@@ -1,5 +1,5 @@
-"""Structured pruning: pruned UNets run and shrink for every block type, hit the FLOPs/params target to a
-step's granularity, Diff-Pruning's Taylor importance matches a direct computation, the diffusers export
+"""Structured pruning: pruned UNets run and shrink for every block type, hit the FLOPs/params target to
+one pruning group, Diff-Pruning's Taylor importance matches a direct computation, the diffusers export
 round-trips and loads as a pipeline, refusals name the problem and the fix."""
 
 import pytest
@@ -92,10 +92,11 @@ def test_pruned_unet_runs_and_shrinks_every_block(which, teacher_unet, teacher_i
 @pytest.mark.parametrize("target, ratio, per_block", [("flops", 0.3, True), ("params", 0.5, True),
                                                       ("params", 0.15, False)])
 def test_removed_fraction_is_the_ratio_to_one_pruning_group(target, ratio, per_block, teacher_unet, teacher_inputs):
-    """Whole steps are coarse here (GroupNorm's 8 groups make 8 channels the unit, 25% of a 32-wide layer, so
-    one step can remove 15% of the FLOPs at once); the last step is redone group by group and the result is
-    the group nearest the ratio. Tolerance: half the largest single-group change in that step, which on
-    the digits teacher is under 0.02 (bound asserted: 0.015)."""
+    """Whole steps are coarse here (GroupNorm's 8 groups make 8 channels the unit, 25% of a 32-wide layer: the
+    first step alone removes 20-24%); the last step is redone group by group and the result is the group
+    nearest the ratio. Tolerance: half the largest single-group change in that step, by construction;
+    measured on the digits teacher: errors 0.003 / 0.004 / 0.001, largest group changes 0.016 / 0.024 /
+    0.004, so the fixed bound asserted is 0.015."""
     pruned, report = prune_unet(teacher_unet, ratio, target=target, per_block=per_block,
                                 example_inputs=teacher_inputs, iterative_steps=25)
     with torch.no_grad():  # the report's counts, measured independently
@@ -239,18 +240,21 @@ def test_pipeline_export_loads_with_diffusers_and_samples(tmp_path):
     assert loaded(PROMPT).images[0].size == (32, 32)  # diffusers' default call
 
 
-@pytest.mark.parametrize("build", ["timestep_moe", "token_moe", "lora"])
-def test_moe_and_lora_students_are_refused_naming_the_student_and_the_fix(build):
+@pytest.mark.parametrize("build", ["timestep_moe", "token_moe", "lora", "scale_shift"])
+def test_moe_lora_and_unsupported_students_are_refused_naming_the_student_and_the_fix(build):
     from distill.models.moe import timestep_moe_student, token_moe_student
     from distill.models.students import lora_student
 
     unet = mixed_unet()
     student = {"timestep_moe": lambda: timestep_moe_student(unet, num_experts=2),
                "token_moe": lambda: token_moe_student(unet, num_experts=2),
-               "lora": lambda: lora_student(unet, rank=2)}[build]()
+               "lora": lambda: lora_student(unet, rank=2),
+               "scale_shift": lambda: UNet2DConditionModel.from_config(unet.config,
+                                                                       resnet_time_scale_shift="scale_shift")}[build]()
     words = {"timestep_moe": ["TimestepMoEUNet", "mixture of experts", "prune_unet(teacher.unet"],
              "token_moe": ["TokenMoEUNet", "mixture of experts", "prune_unet(teacher.unet"],
-             "lora": ["LoRA", "fuse_lora"]}[build]
+             "lora": ["LoRA", "fuse_lora"],
+             "scale_shift": ["resnet_time_scale_shift='scale_shift'", "'default'"]}[build]
     with pytest.raises(ValueError) as err:
         prune_unet(student, 0.5)
     assert all(w in str(err.value) for w in words), str(err.value)

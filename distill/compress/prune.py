@@ -13,21 +13,27 @@ together. Channel importance is either
   falls below ``threshold`` times the largest loss so far: the late, high-noise steps, which carry little
   structural information, are left out.
 
-Pruning is iterative (torch-pruning's ``iterative_steps``): each step removes a little more of every
-group's channels (``per_block=False``: ranked globally over the network; ``True``: every group the same
-fraction), and the FLOPs (or parameters) are measured after each step. The returned model is the step
-whose removed fraction is nearest ``ratio``.
+Pruning is iterative (torch-pruning's ``iterative_steps``): step k removes the fraction 0.9 k / steps of
+every group's channels (``per_block=True``, the default: the same fraction in every group, a uniform width
+multiplier) or of all channels ranked together (``False``: torch-pruning's global pruning, each group's
+scores divided by their mean), and the FLOPs (or parameters) are measured after each step. Steps are coarse
+where GroupNorm groups are small (with 8 groups of 4 channels, 8 channels -- a quarter of the layer -- is
+the smallest cut), so the step that reaches ``ratio`` is redone group by group and the result stops at the
+group nearest ``ratio``.
 
 What keeps its shape: ``conv_out`` (its output is the prediction) and the time embedding's guidance-scale
 projection ``cond_proj`` (added to the sinusoidal features) are excluded explicitly; ``conv_in``'s input,
 the time embedding's input (the sinusoidal width) and the key/value inputs of cross-attention (the text
 encoder's width) read model inputs or parameter-free ops, so no group reaches them. GroupNorm: torch-pruning
 removes the same channel positions from every normalisation group, so widths stay multiples of
-``num_groups`` and each group keeps its members (its ``round_to`` option is not offered: combined with that
-grouping it removes nothing from GroupNorm layers in torch-pruning 1.6.1). Attention: whole heads are
+``num_groups`` (and where one layer feeds the norm, each group keeps its members); its ``round_to`` option
+is not offered: combined with that grouping, torch-pruning 1.6.1 left every GroupNorm-coupled layer unpruned. Attention: whole heads are
 removed (q, k, v and the output projection together), never head dimensions: diffusers' attention
 processors take the head width from the tensors and scale scores by 1/sqrt(head_dim), so narrower heads
-would also change every remaining head's softmax temperature.
+would also change every remaining head's softmax temperature. Every attention layer keeps
+round((1 - f) * heads) of its heads at step fraction f, at least one, the least important (group score
+averaged over the head's channels) going first; torch-pruning's own head pruning is not used, as its
+per-layer rounding (ceil of the fraction of the heads left) removes the last head of a two-head layer.
 
 ``PrunedUNet2DConditionModel`` is the export: a ``UNet2DConditionModel`` whose config records the pruned
 layers' shapes (``layer_shapes``), so ``from_pretrained`` rebuilds them before loading the weights; a
@@ -176,8 +182,9 @@ def _check_prunable(unet: nn.Module) -> None:
         raise ValueError(
             f"student {name} is a mixture of experts, which structured pruning does not support (its experts "
             "are separate networks saved under one dense config). Prune the dense UNet instead -- "
-            "prune_unet(teacher.unet, ratio) -- and distil the pruned UNet as a plain student, or make the "
-            "experts cheaper with fewer experts (student.num_experts) or top_k=1.")
+            "prune_unet(teacher.unet, ratio) -- and distil the pruned UNet as a dense student; fewer experts "
+            "(student.num_experts) shrink a MoE student's parameters, not its per-step FLOPs, which are "
+            "already one dense UNet's.")
     if getattr(unet, "peft_config", None):
         raise ValueError(f"student {name} carries LoRA adapters; merge them first (unet.fuse_lora(); "
                          "unet.unload_lora()) and prune the merged UNet.")
@@ -185,6 +192,11 @@ def _check_prunable(unet: nn.Module) -> None:
         raise ValueError(f"student {name} is not a UNet2DConditionModel; prune_unet prunes dense "
                          "UNet2DConditionModel students (prune before other transforms such as low-rank "
                          "factorisation).")
+    if unet.config.resnet_time_scale_shift != "default":
+        # the timestep projection's (scale, shift) halves reach GroupNorm-coupled channels through a chunk,
+        # which torch-pruning 1.6.1 prunes to widths GroupNorm rejects
+        raise ValueError(f"student {name} has resnet_time_scale_shift={unet.config.resnet_time_scale_shift!r}; "
+                         "prune_unet supports the Stable Diffusion resnets ('default') only")
 
 
 # ---------------------------------------------------------------- importance
@@ -207,8 +219,15 @@ def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timeste
     sum stops before the first one whose loss is below ``threshold`` times the largest loss so far.
     Returns the timesteps used and their losses."""
     batches = _batches(calib)
-    params = [p for p in unet.parameters()]
     abar_all = noise_scheduler.alphas_cumprod
+    timesteps = sorted(int(t) for t in timesteps)
+    if not timesteps or not 0 <= timesteps[0] <= timesteps[-1] < len(abar_all):
+        raise ValueError(f"student.timesteps={timesteps} must be a non-empty set of training timesteps in "
+                         f"[0, {len(abar_all)})")
+    params = list(unet.parameters())
+    frozen = [p for p in params if not p.requires_grad]  # a frozen teacher: gradients only for the scores
+    for p in frozen:
+        p.requires_grad_(True)
     prediction_type = noise_scheduler.config.prediction_type
     device = next(unet.parameters()).device
     noises = [torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed + i)) for i, (x0, _) in
@@ -216,7 +235,7 @@ def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timeste
     unet.zero_grad(set_to_none=True)
     used, losses = [], []
     with torch.enable_grad():
-        for t in sorted(int(t) for t in timesteps):
+        for t in timesteps:
             grads = [torch.zeros_like(p) for p in params]
             loss_t = 0.0
             for (x0, cond), eps in zip(batches, noises):
@@ -236,6 +255,8 @@ def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timeste
                 p.grad = g if p.grad is None else p.grad + g
             used.append(t)
             losses.append(loss_t)
+    for p in frozen:
+        p.requires_grad_(False)
     return used, losses
 
 
