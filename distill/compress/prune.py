@@ -1,13 +1,13 @@
 """Structured pruning of a diffusers ``UNet2DConditionModel``: whole channels and attention heads are removed,
 so the network gets smaller and faster, not just sparser.
 
-Coupled layers are found by torch-pruning's dependency graph (DepGraph, Fang et al. 2023a): a residual add,
+Coupled layers are found by torch-pruning's dependency graph (DepGraph, Fang et al., CVPR 2023): a residual add,
 a skip concatenation or a GroupNorm ties the channels of several layers into one *group* that is pruned
 together. Channel importance is either
 
 * ``magnitude``: squared L2 norm of each channel's weights, averaged over the group's layers
   (torch-pruning's ``GroupMagnitudeImportance``), or
-* ``taylor``: Diff-Pruning's timestep-aggregated first-order Taylor score (Fang, Ma & Wang 2023, sec. 4):
+* ``taylor``: Diff-Pruning's timestep-aggregated first-order Taylor score (Fang, Ma & Wang, NeurIPS 2023):
   |w * sum_t dL_t/dw| summed over each channel's weights, L_t the denoising loss at timestep t on
   calibration batches. Timesteps run from low to high noise and the sum stops at the first step whose loss
   falls below ``threshold`` times the largest loss so far: the late, high-noise steps, which carry little
@@ -211,7 +211,7 @@ def _batches(calib) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timesteps: Iterable[int],
                                 threshold: float = 0.0, seed: int = 0) -> tuple[list[int], list[float]]:
-    """Leave sum_t dL_t/dw in every parameter's ``.grad`` (Diff-Pruning, Fang, Ma & Wang 2023, sec. 4).
+    """Leave sum_t dL_t/dw in every parameter's ``.grad`` (Diff-Pruning, Fang, Ma & Wang, NeurIPS 2023).
 
     L_t = mean over the calibration batches (x0 latents (N, C, H, W), text states (N, L, D)) of the
     denoising MSE at timestep t, x_t = alpha_t x0 + sigma_t eps with eps fixed per batch (seeded) and the
