@@ -440,8 +440,9 @@ def _prune_to_ratio(run: _Pruning, ratio: float) -> tuple[UNet2DConditionModel, 
         if trajectory[-1] >= ratio:
             break
     else:
-        raise ValueError(f"student.ratio={ratio} of {run.target} is out of reach: pruning every group by "
-                         f"{MAX_CHANNEL_RATIO:.0%} removed {trajectory[-1]:.1%}; ask for less")
+        raise ValueError(f"student.ratio={ratio} of {run.target} is out of reach: the schedule's end ({MAX_CHANNEL_RATIO:.0%} "
+                         f"of the channels) removed {trajectory[-1]:.1%}; ask for less (global ranking, "
+                         "student.per_block=false, leaves GroupNorm-coupled widths longest: per_block=true goes further)")
     first = ends[-2]
     model, graph = run.replay(first)
     last_step = [trajectory[-2]]
