@@ -116,7 +116,13 @@ def test_bad_settings_name_the_key(teacher, kw, needle):
         _method(teacher, **kw)
 
 
-def test_compress_recipe_trains_a_lowrank_student_that_loads_and_samples_as_the_teacher(tmp_path):
+@pytest.mark.parametrize("student, cls, overrides", [
+    ("lowrank", "LowRankUNet2DConditionModel", ["student.budget=0.5"]),
+    # Diff-Pruning's Taylor importance on two batches of the training data
+    ("pruned", "PrunedUNet2DConditionModel", ["student.importance=taylor", "student.calib_data=${data}",
+                                              "student.calib_batches=2", "student.iterative_steps=10"]),
+])
+def test_compress_recipe_trains_a_student_that_loads_and_samples_as_the_teacher(tmp_path, student, cls, overrides):
     import json
 
     from diffusers import DiffusionPipeline
@@ -125,26 +131,30 @@ def test_compress_recipe_trains_a_lowrank_student_that_loads_and_samples_as_the_
     from tests.conftest import run_train
 
     run_dir = tmp_path / "run"
-    proc = run_train("+exp=compress", "student=lowrank", "student.budget=0.5", "data.batch_size=16",
+    proc = run_train("+exp=compress", f"student={student}", *overrides, "data.batch_size=16",
                      "trainer.max_steps=3", "callbacks.quality_cost=null", "callbacks.samples=null",
                      "trainer.limit_val_batches=1", "sample_grid_seeds=0", "logger=csv", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads((run_dir / "export" / "distill.json").read_text())
-    assert info["student"] == "LowRankUNet2DConditionModel" and info["sampling"]["nfe_per_step"] == 2
+    assert info["student"] == cls and info["sampling"]["nfe_per_step"] == 2
     pipe = DiffusionPipeline.from_pretrained(run_dir / "export")  # a user's call: no argument but the prompt
     params = sum(p.numel() for p in pipe.unet.parameters())
-    assert type(pipe.unet).__name__ == "LowRankUNet2DConditionModel" and params < 0.6 * 1_489_028
+    assert type(pipe.unet).__name__ == cls and params < 0.6 * 1_489_028
     calls = []
     pipe.unet.register_forward_hook(lambda m, a, k, o: calls.append(a[0].shape[0]) and None, with_kwargs=True)
     image = pipe("a handwritten digit 3").images[0]
     assert image.size == (32, 32) and len(calls) == 25 and set(calls) == {2}  # DDIM 25, conditional + unconditional
 
 
-@pytest.mark.parametrize("override, needle", [("student.budget=1.5", "budget"), ("student.energy=0.9", "exactly one")])
-def test_bad_lowrank_settings_exit_2_naming_the_key(tmp_path, override, needle):
+@pytest.mark.parametrize("student, override, needle", [
+    ("lowrank", "student.budget=1.5", "budget"), ("lowrank", "student.energy=0.9", "exactly one"),
+    ("pruned", "student.ratio=1.0", "student.ratio"), ("pruned", "student.ratio=0", "student.ratio"),
+    ("pruned", "student.importance=taylor", "student.calib_data"),
+])
+def test_bad_compression_settings_exit_2_naming_the_key(tmp_path, student, override, needle):
     from tests.conftest import run_train
 
-    proc = run_train("+exp=compress", "student=lowrank", override, "trainer.max_steps=1", "logger=csv",
+    proc = run_train("+exp=compress", f"student={student}", override, "trainer.max_steps=1", "logger=csv",
                      f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()

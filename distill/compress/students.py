@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from itertools import islice
 
+import torch
 from diffusers import UNet2DConditionModel
 
 from distill.compress.lowrank import UNET_KEEP_DENSE, LowRankUNet2DConditionModel, lowrank_unet
@@ -36,6 +38,57 @@ def lowrank_student(teacher_unet: UNet2DConditionModel, rank: int | Mapping[str,
     log.info("low-rank student (%s): %d of %d parameters (%.1f%%), %d layers factorised", report.rule,
              report.model_params_after, report.model_params, 100 * report.model_params_after / report.model_params,
              sum(layer.factorised for layer in report.layers))
+    if gradient_checkpointing:
+        student.enable_gradient_checkpointing()
+    return student.train().requires_grad_(True)
+
+
+def calibration_batches(datamodule, teacher, num_batches: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(latents, encoder_hidden_states) of the first ``num_batches`` training batches of ``datamodule``, encoded
+    with the teacher's VAE (a posterior draw, seeded) and text encoder: what Taylor importance is measured on."""
+    from distill.methods.base import encode_latents
+    from distill.models.conditioning import TextConditioner
+
+    if num_batches < 1:
+        raise ValueError(f"student.calib_batches={num_batches} must be >= 1")
+    datamodule.setup("fit")
+    conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer, cache=False)
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    with torch.no_grad():
+        for batch in islice(datamodule.train_dataloader(), num_batches):
+            latents = encode_latents(teacher.vae, batch["pixel_values"], generator)
+            batches.append((latents, conditioner(batch)["encoder_hidden_states"]))
+    return batches
+
+
+def pruned_student(teacher_unet: UNet2DConditionModel, ratio: float = 0.5, target: str = "flops",
+                   importance: str = "magnitude", per_block: bool = True, prune_heads: bool = True,
+                   iterative_steps: int = 50, timesteps: Sequence[int] | None = None, threshold: float = 0.0,
+                   calib_data=None, calib_batches: int = 4, time_cond_proj_dim: int | None = None,
+                   gradient_checkpointing: bool = False, seed: int = 0, teacher=None):
+    """The teacher with ``ratio`` of its FLOPs (or parameters) removed by structured channel and head pruning
+    (``distill.compress.prune``), magnitude or Diff-Pruning's timestep-aggregated Taylor importance; the latter
+    is measured on ``calib_batches`` batches of ``calib_data`` (a data module; ``+exp=compress`` passes the
+    training data). FLOPs are counted at the teacher's sample size and text length."""
+    from distill.compress.prune import _check_ratio, prune_unet, unet_example_inputs
+
+    _check_ratio("student.ratio", ratio)  # before the copy and any calibration compute
+    calib = None
+    if importance == "taylor":
+        if calib_data is None or teacher is None:
+            raise ValueError("student.importance=taylor needs calibration data: set student.calib_data=${data} "
+                             "(the training data) or use student.importance=magnitude")
+        calib = calibration_batches(calib_data, teacher, calib_batches, seed)
+    dense = copy_student(teacher_unet, time_cond_proj_dim)
+    text_len = teacher.tokenizer.model_max_length if teacher is not None else None
+    inputs = unet_example_inputs(dense, text_len=text_len) if text_len else None
+    student, report = prune_unet(dense, ratio, target=target, importance=importance, calib=calib,
+                                 noise_scheduler=teacher.scheduler if teacher is not None else None,
+                                 timesteps=timesteps, threshold=threshold, per_block=per_block,
+                                 prune_heads=prune_heads, iterative_steps=iterative_steps, example_inputs=inputs,
+                                 seed=seed)
+    log.info("pruned student: %s", report.table())
     if gradient_checkpointing:
         student.enable_gradient_checkpointing()
     return student.train().requires_grad_(True)

@@ -27,6 +27,7 @@ from diffusers.utils.torch_utils import randn_tensor
 # model_index.json: diffusers loads a component only from a library that is already imported, so importing
 # this module is all that loading any distill export needs.
 import distill.compress.lowrank  # noqa: F401
+import distill.compress.prune  # noqa: F401
 import distill.inference.schedulers  # noqa: F401
 import distill.models.moe  # noqa: F401
 from distill.inference.sampling import sample

@@ -11,11 +11,15 @@ from torch import nn
 
 
 def make_student(student: nn.Module | Callable[..., nn.Module], teacher) -> nn.Module:
-    """A ready module, or a builder called on the teacher's UNet (and its noise schedule if it asks)."""
+    """A ready module, or a builder called on the teacher's UNet (and its noise schedule, or the whole teacher:
+    VAE, text encoder, tokenizer, if it asks: a builder that calibrates on data)."""
     if isinstance(student, nn.Module):
         return student
-    wants_schedule = "noise_scheduler" in inspect.signature(student).parameters
-    return student(teacher.unet, **({"noise_scheduler": teacher.scheduler} if wants_schedule else {}))
+    wants = inspect.signature(student).parameters
+    extra = {"noise_scheduler": teacher.scheduler} if "noise_scheduler" in wants else {}
+    if "teacher" in wants:
+        extra["teacher"] = teacher
+    return student(teacher.unet, **extra)
 
 
 def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | None = None,
