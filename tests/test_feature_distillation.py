@@ -20,7 +20,7 @@ def teacher():
     return load_teacher(str(asset_path("teacher")))
 
 
-def _method(teacher, student=copy_student, **kw):
+def _method(teacher, student=copy_student, **kw):  # copy_student's default: no guidance input
     torch.manual_seed(0)
     return FeatureDistillation(teacher, student, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), **kw)
 
@@ -48,8 +48,11 @@ def test_a_student_that_is_the_teacher_has_zero_distillation_terms(teacher):
 
 def test_terms_equal_a_direct_computation(teacher):
     method = _method(teacher, _narrow, task_weight=0.5, output_weight=2.0, feature_weight=3.0, cond_dropout=0.0)
-    # the narrow student's down_blocks.1/2, mid and up blocks 0/1 are 32 wide against the teacher's 64
-    assert sorted(method.regressors) == ["down_blocks_1", "down_blocks_2", "mid_block", "up_blocks_0", "up_blocks_1"]
+    # the narrow student's down_blocks.1/2 and up blocks 0/1 are 32 wide against the teacher's 64 (BK-SDM matches
+    # the down and up stages, not the mid block)
+    assert sorted(method.regressors) == ["down_blocks_1", "down_blocks_2", "up_blocks_0", "up_blocks_1"]
+    assert list(feature_blocks(method.student)) == ["down_blocks.0", "down_blocks.1", "down_blocks.2", "up_blocks.0",
+                                                    "up_blocks.1", "up_blocks.2"]
     batch = _batch()
     terms = method.loss_terms(batch, torch.Generator().manual_seed(7))
     # the same draws by hand: latents, timesteps, noise, in the method's order
@@ -110,6 +113,8 @@ def test_regressors_train_with_the_student_and_stay_out_of_the_export(teacher, t
     ({"task_weight": -1.0}, "method.task_weight=-1.0"),
     ({"task_weight": 0.0, "output_weight": 0.0, "feature_weight": 0.0}, "nothing to train"),
     ({"cond_dropout": 1.0}, "method.cond_dropout=1.0"),
+    # a guidance input turns diffusers' CFG off: the student would sample unguided
+    ({"student": lambda unet: copy_student(unet, 256)}, "student.time_cond_proj_dim=256"),
 ])
 def test_bad_settings_name_the_key(teacher, kw, needle):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):

@@ -274,6 +274,23 @@ def test_device_side_skip_leaves_lcm_student_target_and_adam_state_unchanged(tmp
         assert torch.equal(s["exp_avg"], state2[i]["exp_avg"]) and torch.equal(s["exp_avg_sq"], state2[i]["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_clips_a_fused_optimizer_and_skips_on_the_device(tmp_path, precision):
+    """Lightning's mixed-precision plugin refuses to clip a fused optimizer; without a gradient scaler (bf16, and
+    16-mixed on CPU) distill clips as in full precision, and the guard still skips on the device."""
+    run_dir = tmp_path / "run"
+    proc = run_train(*COMMON, f"trainer.precision={precision}", "trainer.gradient_clip_val=1.0",
+                     "resilience.inject_nonfinite_at_steps=[2]", "trainer.max_steps=4", "logger=csv",
+                     f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (run_dir / "train.log").read_text()
+    assert "skips bad steps on the device" in log and "1 optimizer step(s) skipped" in log
+    ckpt2, ckpt3, ckpt4 = (safe_load(run_dir / "checkpoints" / f"step_000000{s}.ckpt") for s in (2, 3, 4))
+    student = [k for k in ckpt2["state_dict"] if k.startswith("student.")]
+    assert all(torch.equal(ckpt3["state_dict"][k], ckpt2["state_dict"][k]) for k in student)
+    assert not all(torch.equal(ckpt4["state_dict"][k], ckpt3["state_dict"][k]) for k in student)
+
+
 def test_checkpoint_of_another_architecture_is_refused_before_compute(tmp_path):
     run_dir = tmp_path / "run"
     first = run_train(*COMMON, "trainer.max_steps=2", "logger=csv", f"hydra.run.dir={run_dir}")

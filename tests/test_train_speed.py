@@ -199,6 +199,7 @@ def test_streamed_data_is_encoded_in_the_workers_as_the_vae_encodes_it(teacher, 
     assert [len(b["caption"]) for b in batches] == [5, 5, 2] and "pixel_values" not in batches[0]
     latents = {c: (b["latent_mean"][i], b["latent_std"][i]) for b in batches for i, c in enumerate(b["caption"])}
     assert sorted(latents) == sorted(images)  # every streamed image, encoded once
+    assert encoded.encoder.vae.decoder is None and teacher.vae.decoder is not None  # the workers hold the encoder only
     captions = sorted(images)
     with torch.no_grad():
         dist = teacher.vae.encode(torch.stack([images[c] for c in captions])).latent_dist
@@ -216,7 +217,7 @@ def test_streamed_training_with_latent_cache_encodes_in_workers(tmp_path, digits
                      f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"] == 3
-    assert "training process" not in (run_dir / "train.log").read_text()  # no warning: the workers encoded
+    assert "the frozen VAE's encoder runs in the 1 data workers" in (run_dir / "train.log").read_text()
 
 
 def test_bad_speed_settings_fail_with_a_message(tmp_path):
@@ -390,3 +391,24 @@ def test_reference_script_runs_and_is_timed(tmp_path):
     raw = __import__("json").loads((tmp_path / "raw.json").read_text())
     assert raw["8"]["reference"][0]["images_per_s"] > 0
     assert "--mixed_precision" in raw["reference"]["commands"]["8"]
+
+
+def test_fused_optimizer_falls_back_loudly_where_it_cannot_run(teacher, monkeypatch, caplog):
+    import functools
+    import types
+
+    method = _method(teacher)
+    method.optimizer_factory = functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)
+    plugin = types.SimpleNamespace(scaler=None)
+    method._trainer = types.SimpleNamespace(precision_plugin=plugin)
+    assert method._optimizer_factory() is method.optimizer_factory  # CPU, no scaler: fused runs
+    plugin.scaler = object()  # 16-mixed with a GradScaler
+    with caplog.at_level(logging.WARNING):
+        factory = method._optimizer_factory()
+    assert factory.keywords == {"lr": 1e-4, "fused": False} and "GradScaler" in caplog.text
+    plugin.scaler = None
+    monkeypatch.setattr("torch.utils._foreach_utils._get_fused_kernels_supported_devices", lambda: ["cuda"])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert method._optimizer_factory().keywords["fused"] is False
+    assert "cpu device has no fused optimizer kernels" in caplog.text

@@ -155,7 +155,10 @@ class NonFiniteGuard(L.Callback):
       The counters live on the device and are read on the host only on logging steps, when a checkpoint is
       written and at the end; the longest run of bad steps since the last read is kept, so an abort is never
       missed, only reported at the next read;
-    * **on the host** otherwise: one flag read per step; every gradient is dropped, which any optimizer skips.
+    * **on the host** otherwise: one flag read per step; every gradient is dropped, which any optimizer skips;
+    * under a gradient **scaler** (``16-mixed``) the scaler skips a step whose gradients overflow and lowers its
+      scale, which is routine while the scale settles: the guard then leaves the gradients to the scaler and
+      counts (and aborts on) non-finite losses only.
     """
 
     def __init__(self, max_consecutive: int = 10, inject_at_steps: list[int] | tuple = ()):
@@ -166,7 +169,8 @@ class NonFiniteGuard(L.Callback):
         self.skipped = 0
         self.consecutive = 0
         self.device_side = False
-        self._loss_finite: bool | torch.Tensor = True
+        self._loss_finite: bool | torch.Tensor = True  # over the accumulation window of the next step
+        self._scaler = False
         self._counters: torch.Tensor | None = None  # on the device: skipped, consecutive, longest run since read
         self._read_step = 0  # the step of the last host read
 
@@ -181,6 +185,7 @@ class NonFiniteGuard(L.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         optimizers = trainer.optimizers
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._scaler = scaler is not None
         self.device_side = (len(optimizers) == 1 and pl_module.automatic_optimization and scaler is None
                             and getattr(optimizers[0], "_step_supports_amp_scaling", False))
         if not self.device_side:
@@ -190,8 +195,8 @@ class NonFiniteGuard(L.Callback):
                  "method.optimizer.fused=true, skips on the device)")
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
-        finite = torch.isfinite(loss.detach()).all()
-        self._loss_finite = finite if self.device_side else bool(finite)
+        finite = torch.isfinite(loss.detach()).all()  # and-ed over the micro-batches of an accumulation window
+        self._loss_finite = self._loss_finite & (finite if self.device_side else bool(finite))
 
     def on_after_backward(self, trainer, pl_module) -> None:
         if trainer.global_step in self.inject_at_steps:
@@ -201,17 +206,23 @@ class NonFiniteGuard(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        loss_finite, self._loss_finite = self._loss_finite, True  # the next window starts
         if self.device_side:
-            self._flag_on_device(trainer, pl_module, optimizer, params)
+            self._flag_on_device(trainer, pl_module, optimizer, params, loss_finite)
             return
-        # one host sync per step: a single reduction over every gradient, not one per parameter
-        finite = self._loss_finite and (not params or bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all()))
+        # one host sync per step: a single reduction over every gradient, not one per parameter; under a scaler
+        # the (scaled) gradients overflow routinely and the scaler skips those steps itself
+        finite = loss_finite and (self._scaler or not params or
+                                  bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all()))
         bad = trainer.strategy.reduce_boolean_decision(not finite, all=False)
         if not bad:
             self.consecutive = 0
             return
         for p in params:  # AdamW and SGD skip parameters without gradients: nothing moves
-            p.grad = None
+            if self._scaler:  # the scaler must see the step's gradients (it records its inf checks on them)
+                p.grad.fill_(float("nan"))
+            else:
+                p.grad = None
         self.skipped += 1
         self.consecutive += 1
         pl_module.log("train/nonfinite_skipped", float(self.skipped), rank_zero_only=True)
@@ -219,9 +230,9 @@ class NonFiniteGuard(L.Callback):
                     trainer.global_step, self.consecutive, self.skipped)
         self._check_abort(trainer.global_step, self.consecutive)
 
-    def _flag_on_device(self, trainer, pl_module, optimizer, params) -> None:
+    def _flag_on_device(self, trainer, pl_module, optimizer, params, loss_finite) -> None:
         device = params[0].device if params else pl_module.device
-        finite = torch.as_tensor(self._loss_finite, device=device)
+        finite = torch.as_tensor(loss_finite, device=device)
         if params:
             finite = finite & torch.stack([torch.isfinite(p.grad).all() for p in params]).all()
         bad = (~finite).float()
@@ -230,14 +241,19 @@ class NonFiniteGuard(L.Callback):
         optimizer.found_inf = bad
         pl_module.step_applied_mask = 1.0 - bad
         if self._counters is None or self._counters.device != device:
-            self._counters = torch.tensor([self.skipped, self.consecutive, self.consecutive], dtype=torch.float64,
-                                          device=device)
+            self._counters = torch.tensor([self.skipped, self.consecutive, self.consecutive], dtype=torch.float32,
+                                          device=device)  # exact counts up to 2**24 steps
         skipped, consecutive, longest = self._counters.unbind()
         consecutive = (consecutive + 1) * bad
         self._counters = torch.stack([skipped + bad, consecutive, torch.maximum(longest, consecutive)])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.device_side and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+        if not self.device_side:
+            return
+        for optimizer in trainer.optimizers:  # the flag was for that step only
+            if hasattr(optimizer, "found_inf"):
+                del optimizer.found_inf
+        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             self._read(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:

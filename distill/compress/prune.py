@@ -9,9 +9,10 @@ together. Channel importance is either
   (torch-pruning's ``GroupMagnitudeImportance``), or
 * ``taylor``: Diff-Pruning's timestep-aggregated first-order Taylor score (Fang, Ma & Wang, NeurIPS 2023):
   |w * sum_t dL_t/dw| summed over each channel's weights, L_t the denoising loss at timestep t on
-  calibration batches. Timesteps run from low to high noise and the sum stops at the first step whose loss
-  falls below ``threshold`` times the largest loss so far: the late, high-noise steps, which carry little
-  structural information, are left out.
+  calibration batches. Timesteps run from low to high noise and the sum stops after the first step whose
+  loss falls below ``threshold`` times the largest loss so far (that step included, as in the reference
+  code): the late, high-noise steps, which carry little structural information, are left out. The defaults
+  follow the reference: threshold 0.05 over every 10th training timestep.
 
 Pruning is iterative (torch-pruning's ``iterative_steps``): step k removes the fraction 0.9 k / steps of
 every group's channels (``per_block=True``, the default: the same fraction in every group, a uniform width
@@ -216,7 +217,7 @@ def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timeste
     L_t = mean over the calibration batches (x0 latents (N, C, H, W), text states (N, L, D)) of the
     denoising MSE at timestep t, x_t = alpha_t x0 + sigma_t eps with eps fixed per batch (seeded) and the
     regression target of the scheduler's ``prediction_type``. Timesteps are taken in ascending order; the
-    sum stops before the first one whose loss is below ``threshold`` times the largest loss so far.
+    sum stops after the first one whose loss is below ``threshold`` times the largest loss so far (included).
     Returns the timesteps used and their losses."""
     batches = _batches(calib)
     abar_all = noise_scheduler.alphas_cumprod
@@ -249,12 +250,12 @@ def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timeste
                     if dg is not None:
                         g += dg
                 loss_t += float(loss.detach())
-            if losses and loss_t < threshold * max(losses):
-                break
             for p, g in zip(params, grads):
                 p.grad = g if p.grad is None else p.grad + g
             used.append(t)
             losses.append(loss_t)
+            if loss_t < threshold * max(losses):
+                break
     for p in frozen:
         p.requires_grad_(False)
     return used, losses
@@ -459,14 +460,14 @@ def _prune_to_ratio(run: _Pruning, ratio: float) -> tuple[UNet2DConditionModel, 
 
 def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops", importance: str = "magnitude",
                calib: Sequence | Callable[[], Iterable] | None = None, noise_scheduler=None,
-               timesteps: Iterable[int] | None = None, threshold: float = 0.0, per_block: bool = True,
+               timesteps: Iterable[int] | None = None, threshold: float = 0.05, per_block: bool = True,
                prune_heads: bool = True, iterative_steps: int = 50, example_inputs: Mapping | None = None,
                seed: int = 0) -> tuple[PrunedUNet2DConditionModel, PruneReport]:
     """Remove ``ratio`` of the UNet's FLOPs (``target="flops"``) or parameters (``"params"``) by structured
     pruning; ``unet`` is left unchanged.
 
     ``importance="taylor"`` needs ``calib`` ((latents, encoder_hidden_states) batches, or a callable returning
-    them) and the ``noise_scheduler`` the UNet was trained with; ``timesteps`` (default: 10 evenly spaced) and
+    them) and the ``noise_scheduler`` the UNet was trained with; ``timesteps`` (default: every 10th training timestep) and
     ``threshold`` select Diff-Pruning's steps. ``per_block=True`` removes the same fraction of channels from
     every coupled group (a uniform width multiplier); ``False`` ranks channels over the whole network
     (torch-pruning's global pruning, scores normalised by their group's mean). Heads: every attention layer
@@ -499,7 +500,7 @@ def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops
     if importance == "taylor":
         if timesteps is None:
             T = noise_scheduler.config.num_train_timesteps
-            timesteps = range(0, T, T // 10)
+            timesteps = range(0, T, max(T // 100, 1))  # every 10th of 1000, as the reference
         used, losses = accumulate_taylor_gradients(run.model, calib, noise_scheduler, timesteps, threshold, seed)
 
     model, trajectory, last_step, kept = _prune_to_ratio(run, ratio)

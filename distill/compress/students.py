@@ -2,7 +2,8 @@
 
 Each starts as the teacher's copy (``copy_student``: optionally with the zero-initialised guidance-scale input
 a latent consistency student takes), then is made smaller; the method trains it back to quality. The report of
-what was removed is logged at build time and written beside the export by the method.
+what was removed is logged at build time; the exported UNet's config records the resulting shapes (pruned) or ranks
+(low rank).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def calibration_batches(datamodule, teacher, num_batches: int, seed: int = 0) ->
 
 def pruned_student(teacher_unet: UNet2DConditionModel, ratio: float = 0.5, target: str = "flops",
                    importance: str = "magnitude", per_block: bool = True, prune_heads: bool = True,
-                   iterative_steps: int = 50, timesteps: Sequence[int] | None = None, threshold: float = 0.0,
+                   iterative_steps: int = 50, timesteps: Sequence[int] | None = None, threshold: float = 0.05,
                    calib_data=None, calib_batches: int = 4, time_cond_proj_dim: int | None = None,
                    gradient_checkpointing: bool = False, seed: int = 0, teacher=None):
     """The teacher with ``ratio`` of its FLOPs (or parameters) removed by structured channel and head pruning

@@ -117,7 +117,14 @@ class PosteriorEncoder:
     def __init__(self, vae: nn.Module):
         import copy
 
-        self.vae = copy.deepcopy(vae).to("cpu", torch.float32).eval().requires_grad_(False)
+        decoder = {name: getattr(vae, name) for name in ("decoder", "post_quant_conv") if hasattr(vae, name)}
+        try:  # the workers encode only: no copy of the decoder
+            for name in decoder:
+                setattr(vae, name, None)
+            self.vae = copy.deepcopy(vae).to("cpu", torch.float32).eval().requires_grad_(False)
+        finally:
+            for name, module in decoder.items():
+                setattr(vae, name, module)
 
     @torch.no_grad()
     def __call__(self, batch: dict) -> dict:

@@ -185,10 +185,14 @@ class DistillMethod(L.LightningModule):
         if not hasattr(datamodule, "train_set"):  # a stream: nothing to cache, encode in the data workers instead
             from distill.data.latents import PosteriorEncoder
 
-            if not getattr(datamodule, "num_workers", 0):
+            workers = getattr(datamodule, "num_workers", 0)
+            if not workers:
                 logging.getLogger(__name__).warning(
-                    "method.latent_cache=true on a stream with data.num_workers=0: the VAE encodes in the training "
-                    "process; set data.num_workers to encode in the data workers")
+                    "method.latent_cache=true on a stream with data.num_workers=0: nothing to cache, and no worker to "
+                    "encode in; the VAE encodes in the training step as without it. Set data.num_workers > 0")
+                return
+            logging.getLogger(__name__).info("streamed data: the frozen VAE's encoder runs in the %d data workers "
+                                             "(float32, CPU)", workers)
             datamodule.encode_in_workers(PosteriorEncoder(vae))
             return
         if isinstance(datamodule.train_set, CachedLatentDataset):  # a second fit on the same data module
@@ -242,8 +246,45 @@ class DistillMethod(L.LightningModule):
     def trainable_parameters(self):
         return [p for p in self.student.parameters() if p.requires_grad]
 
+    def _optimizer_factory(self) -> Callable:
+        """The configured optimizer, without ``fused=True`` where a fused kernel cannot run: under ``16-mixed``
+        (Lightning's gradient scaler refuses to clip a fused optimizer, and owns its skip flag) and on devices
+        without fused kernels (XLA); said in the log, never silently."""
+        import functools
+
+        factory = self.optimizer_factory
+        keywords = getattr(factory, "keywords", None) or {}
+        if not keywords.get("fused"):
+            return factory
+        trainer = self._trainer
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None) if trainer is not None else None
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        device = self.device.type
+        reason = ("trainer.precision=16-mixed scales gradients with a GradScaler" if scaler is not None else
+                  f"the {device} device has no fused optimizer kernels"
+                  if device not in _get_fused_kernels_supported_devices() else None)
+        if reason is None:
+            return factory
+        logging.getLogger(__name__).warning("method.optimizer.fused=true: %s; using the unfused optimizer", reason)
+        return functools.partial(factory.func, *factory.args, **{**keywords, "fused": False})
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's mixed-precision plugin refuses to clip a fused optimizer because a gradient scaler would
+        unscale inside its step; without a scaler (bf16-mixed, or 16-mixed on CPU) there is nothing to unscale,
+        so the gradients are clipped as in full precision."""
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and hasattr(plugin, "scaler") and plugin.scaler is None:
+            from lightning.pytorch.plugins.precision import Precision
+            from lightning.pytorch.utilities import GradClipAlgorithmType
+
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or "norm")
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(self.trainable_parameters())
+        optimizer = self._optimizer_factory()(self.trainable_parameters())
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)

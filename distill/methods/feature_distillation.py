@@ -5,12 +5,13 @@ quality at the teacher's own step count with three terms at one noise level per 
 
 * the task loss: the denoising regression of the student on the data, ``|| target - s(x_t, c, t) ||^2``;
 * output distillation: ``|| T(x_t, c, t) - s(x_t, c, t) ||^2``, the teacher's prediction as the target;
-* feature distillation: ``sum_l || T_l - s_l ||^2`` over the outputs of every down block, the mid block and
-  every up block, each a mean squared error. Where a pruned student's block output is narrower than the
+* feature distillation: ``sum_l || T_l - s_l ||^2`` over the outputs of every down block and every up block
+  (the stages BK-SDM's code matches; the mid block is not matched), each a mean squared error. Where a pruned student's block output is narrower than the
   teacher's, a learned 1x1 convolution maps it to the teacher's width first (FitNets' regressor, Romero et al.
   2015); the regressors train with the student and are not part of the export.
 
-The condition is dropped to the empty prompt with probability ``cond_dropout`` for teacher and student alike,
+An addition to BK-SDM, which trains on captions only: the condition is dropped to the empty prompt with
+probability ``cond_dropout`` for teacher and student alike,
 so that the student learns the unconditional branch too and samples with classifier-free guidance like the
 teacher, at the teacher's step counts (``scheduler``, ``scheduler.num_inference_steps``).
 """
@@ -28,17 +29,15 @@ from distill.diffusion import add_noise, alpha_sigma, prediction_target
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
-BLOCK_GROUPS = ("down_blocks", "mid_block", "up_blocks")
+BLOCK_GROUPS = ("down_blocks", "up_blocks")
 
 
 def feature_blocks(unet: nn.Module) -> dict[str, nn.Module]:
-    """The modules whose outputs feature distillation matches: every down block, the mid block, every up block."""
+    """The modules whose outputs feature distillation matches: every down block and every up block (BK-SDM)."""
     if not all(hasattr(unet, g) for g in BLOCK_GROUPS):
-        raise ValueError(f"{type(unet).__name__} has no down_blocks/mid_block/up_blocks to match features at; "
+        raise ValueError(f"{type(unet).__name__} has no down_blocks/up_blocks to match features at; "
                          "set method.feature_weight=0 (output distillation only)")
     blocks = {f"down_blocks.{i}": b for i, b in enumerate(unet.down_blocks)}
-    if unet.mid_block is not None:
-        blocks["mid_block"] = unet.mid_block
     blocks.update({f"up_blocks.{i}": b for i, b in enumerate(unet.up_blocks)})
     return blocks
 
@@ -94,7 +93,12 @@ class FeatureDistillation(TeacherStudentDistillation):
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
         if self.is_lora:
             raise ValueError("method=feature_distillation trains a separate smaller student; a LoRA student on the "
-                             "teacher's own UNet has nothing to compress: use student=pruned, lowrank or copy")
+                             "teacher's own UNet has nothing to compress: use student=pruned or lowrank")
+        if self.w_dim is not None:
+            raise ValueError(f"student.time_cond_proj_dim={self.w_dim}: method=feature_distillation trains the "
+                             "teacher's conditional and unconditional predictions and samples with classifier-free "
+                             "guidance, which diffusers turns off for a UNet with a guidance input; set "
+                             "student.time_cond_proj_dim=null")
         self.task_weight, self.output_weight, self.feature_weight = task_weight, output_weight, feature_weight
         self.cond_dropout = cond_dropout
         self.prediction_type = teacher.prediction_type
@@ -115,9 +119,8 @@ class FeatureDistillation(TeacherStudentDistillation):
         x = torch.zeros(1, cfg.in_channels, size, size)
         t = torch.zeros(1, dtype=torch.long)
         cond = torch.zeros(1, 1, self.teacher_unet.config.cross_attention_dim)
-        w = {"timestep_cond": torch.zeros(1, cfg.time_cond_proj_dim)} if self.w_dim is not None else {}
         self.teacher_unet(x, t, encoder_hidden_states=cond)
-        self.student(x, t, encoder_hidden_states=cond, **w)
+        self.student(x, t, encoder_hidden_states=cond)
         teacher, student = self._teacher_rec.pop(), self._student_rec.pop()
         for name, f_t in teacher.items():
             f_s = student[name]
@@ -143,9 +146,7 @@ class FeatureDistillation(TeacherStudentDistillation):
         x_t = add_noise(x0, eps, a_t, s_t)
         teacher_out = self.teacher_forward(x_t, t, cond) if self.output_weight > 0 or self.feature_weight > 0 else None
         teacher_feats = self._teacher_rec.pop() if self.feature_weight > 0 else {}
-        w = ({"timestep_cond": torch.zeros(n, self.w_dim, device=x0.device, dtype=x0.dtype)}
-             if self.w_dim is not None else {})  # a w-conditioned copy at w = 0 (its zero projection is a no-op)
-        pred = self.student(x_t, t, encoder_hidden_states=cond, **w).sample.float()
+        pred = self.student(x_t, t, encoder_hidden_states=cond).sample.float()
         terms = {"task": F.mse_loss(pred, prediction_target(self.prediction_type, x0, eps, a_t, s_t))}
         if teacher_out is not None:
             terms["output"] = F.mse_loss(pred, teacher_out)

@@ -36,8 +36,13 @@ def ema_update_(average: torch.nn.Module, live: torch.nn.Module, weight: float |
         pairs = list(zip(average.parameters(), live.parameters()))
     floats = [(a, b.to(a.dtype)) for a, b in pairs if a.dtype.is_floating_point]
     if floats:
-        targets, sources = zip(*floats)
-        torch._foreach_lerp_(list(targets), list(sources), weight)
+        targets, sources = (list(t) for t in zip(*floats))
+        if isinstance(weight, torch.Tensor):  # _foreach_lerp_ would read a tensor weight on the host (.item())
+            steps = torch._foreach_sub(sources, targets)
+            torch._foreach_mul_(steps, weight.to(targets[0].dtype))
+            torch._foreach_add_(targets, steps)
+        else:
+            torch._foreach_lerp_(targets, sources, weight)
     for a, b in pairs:
         if not a.dtype.is_floating_point:
             a.copy_(b if not isinstance(weight, torch.Tensor) else torch.where(weight > 0, b.to(a.device), a))
