@@ -26,3 +26,27 @@ for s in copy moe_timestep moe_token; do
     hydra.run.dir=outputs/moe_compare/$s
   cp outputs/moe_compare/$s/quality_cost.csv docs/moe_compare_$s.csv
 done
+# compression (issue 15): before recovery, recovered by feature distillation, and pruned + LCM
+$PY bench/compress_untrained.py --out outputs/compress_untrained pruned30=pruned:0.3 pruned50=pruned:0.5 \
+  pruned70=pruned:0.7 lowrank50=lowrank:0.5 lowrank25=lowrank:0.25
+for d in pruned30 pruned50 pruned70 lowrank50 lowrank25; do
+  $PY -m distill.evaluate pipeline=outputs/compress_untrained/$d schedulers=[ddim] steps=[25] guidance_scale=3.0 \
+    num_per_class=50 grids=false cost_repeats=1 hydra.run.dir=outputs/compress_untrained/$d/eval
+done
+$PY -m distill.train +exp=compress logger=csv hydra.run.dir=outputs/compress/pruned50
+for v in "pruned30|student.ratio=0.3" "lowrank50|student=lowrank student.budget=0.5"; do
+  # shellcheck disable=SC2086
+  $PY -m distill.train +exp=compress ${v#*|} trainer.max_steps=1000 callbacks.quality_cost.teacher=null logger=csv \
+    hydra.run.dir=outputs/compress/${v%%|*}
+done
+$PY -m distill.train +exp=consistency student=pruned student.ratio=0.5 student.time_cond_proj_dim=256 \
+  trainer.max_steps=500 method.lr_scheduler.total_steps=500 callbacks.quality_cost.every_n_steps=500 \
+  callbacks.quality_cost.teacher=null logger=csv sample_grid_seeds=0 hydra.run.dir=outputs/compress/pruned50_lcm
+u=outputs/compress_untrained; c=outputs/compress
+$PY bench/compress_table.py "teacher=$c/pruned50/quality_cost.csv:teacher" \
+  "pruned30 untrained=$u/pruned30/eval/quality_cost.csv" "pruned50 untrained=$u/pruned50/eval/quality_cost.csv" \
+  "pruned70 untrained=$u/pruned70/eval/quality_cost.csv" "lowrank50 untrained=$u/lowrank50/eval/quality_cost.csv" \
+  "lowrank25 untrained=$u/lowrank25/eval/quality_cost.csv" "pruned30 1k=$c/pruned30/quality_cost.csv:student" \
+  "pruned50 2k=$c/pruned50/quality_cost.csv:student" "lowrank50 1k=$c/lowrank50/quality_cost.csv:student" \
+  "pruned50+LCM 500=$c/pruned50_lcm/quality_cost.csv:student" \
+  --out docs/compress_quality_cost.csv --plot docs/compress_pareto.png
