@@ -85,6 +85,8 @@ TokenMoEStudentConfig = builds("TokenMoEStudentConfig", "distill.models.moe.toke
                                exclude=_FROM_TEACHER, partial=True)
 LowRankStudentConfig = builds("LowRankStudentConfig", "distill.compress.students.lowrank_student",
                               exclude=_FROM_TEACHER[:1], partial=True)
+PretrainedStudentConfig = builds("PretrainedStudentConfig", "distill.models.students.pretrained_student",
+                                 exclude=_FROM_TEACHER[:1], partial=True)
 PrunedStudentConfig = builds("PrunedStudentConfig", "distill.compress.students.pruned_student",
                              exclude=(*_FROM_TEACHER[:1], "teacher"), partial=True)
 ClassUNetConfig = builds("ClassUNetConfig", "distill.models.unet.build_class_unet", choices={"size": UNetSize})
@@ -255,7 +257,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "teacher": {"teacher": TeacherConfig},
     "student": {"copy": CopyStudentConfig, "lora": LoraStudentConfig, "moe_timestep": TimestepMoEStudentConfig,
                 "moe_token": TokenMoEStudentConfig, "lowrank": LowRankStudentConfig,
-                "pruned": PrunedStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
+                "pruned": PrunedStudentConfig, "pretrained": PretrainedStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
                 "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig},
     "scheduler": {"scheduler": SchedulerConfig},
     "eval": {"eval": EvalConfig},

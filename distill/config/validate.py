@@ -185,6 +185,13 @@ def validate(cfg: DictConfig) -> None:
         _check_sizes(cfg)
     if cfg.teacher and "pretrained_model_name_or_path" in cfg.teacher:
         _check_teacher(cfg)
+    if str(cfg.student.get("_target_", "")).endswith(".pretrained_student"):
+        from distill.models.students import unet_folder
+
+        try:
+            unet_folder(cfg.student.path)
+        except FileNotFoundError as err:
+            raise ConfigError(str(err)) from err
     if "start_steps" in method:
         from distill.diffusion.progressive import round_schedule
 
