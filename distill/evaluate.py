@@ -3,6 +3,7 @@ sample grids.
 
     python -m distill.evaluate pipeline=<dir or hub id> scheduler=dpmsolver steps=[1,2,4,8,25,50]
     python -m distill.evaluate schedulers=[ddim,dpmsolver,euler] num_per_class=50
+    python -m distill.evaluate accelerators=[none,deepcache,forecast] schedulers=[ddim,dpmsolver] steps=[20,50]
     python -m distill.evaluate pipeline=<dir> data=imagefolder data.root=<images> eval.feature=<vision model>
     python -m distill.evaluate sanity=true eval.extra_features=[pixels,clip]   # does each metric see known defects?
 
@@ -64,6 +65,7 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     for name in names:
         if name not in SCHEDULERS:
             raise ValueError(f"scheduler {name!r} is unknown; use one of {sorted(SCHEDULERS)}")
+    accelerators = _accelerators(cfg)  # built (options checked) before anything is loaded
     defaults = pipeline_defaults(cfg.pipeline)  # an export's intended call, for what the command line leaves out
     intended = {defaults["num_inference_steps"]} if "num_inference_steps" in defaults else set()
     steps = list(cfg.steps) if cfg.steps else sorted(set(EVALUATE_STEPS) | intended)  # the default sweep has the intended count
@@ -107,8 +109,12 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
             save_grid(evaluator.grid(images, seeds), out_dir / "grids" / f"{model}-{row['scheduler']}-{row['steps']}.png",
                       seeds, evaluator.grid_prompts())
 
-    rows = evaluator.sweep(sampler, model, [(name, n) for name in names for n in steps], guidance,
-                           on_row=report)
+    rows = []
+    for label, make in accelerators:
+        sampler.accelerator = make(pipeline=str(cfg.pipeline))
+        rows += [{**row, "accelerate": label} for row in evaluator.sweep(
+            sampler, model if label == "none" else f"{model}+{label}", [(name, n) for name in names for n in steps],
+            guidance, on_row=report)]
     write_csv(rows, out_dir / "quality_cost.csv")
     plot_pareto(rows, out_dir / "pareto.png", title=f"{model}: FID vs latency", floor=floor)
     table = format_table(rows, floor)
@@ -125,6 +131,26 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     print(table)
     print(f"results in {out_dir}")
     return rows
+
+
+def _accelerators(cfg: DictConfig) -> list[tuple[str, object]]:
+    """(label, factory) of each accelerator of the sweep: the presets ``accelerators`` names, else the chosen
+    ``accelerate`` option. Each is built once here, so that a bad option fails before anything is loaded; the
+    factory takes the pipeline folder (where a fitted forecaster's coefficients are)."""
+    from distill.accelerate import accelerator_options, make_accelerator
+
+    if cfg.accelerators:
+        nodes = [(name, accelerator_options(name)) for name in cfg.accelerators]
+    else:
+        node = OmegaConf.to_container(cfg.accelerate, enum_to_str=True)
+        nodes = [(str(node["kind"]), {"kind": str(node["kind"]), "options": node.get("options") or {}})]
+    out = []
+    for name, node in nodes:
+        kind, options = str(node["kind"]), dict(node["options"])
+        probe = make_accelerator(kind, options)
+        label = "none" if probe is None else (name if cfg.accelerators else probe.describe())
+        out.append((label, lambda pipeline, kind=kind, options=options: make_accelerator(kind, options, path=pipeline)))
+    return out
 
 
 def sanity(cfg: DictConfig, out_dir: Path) -> list[dict]:

@@ -36,6 +36,7 @@ SchedulerName = choice("SchedulerName", SCHEDULERS)
 UNetSize = choice("UNetSize", UNET_SIZES)
 ExpertSplit = choice("ExpertSplit", SPLITS)
 MonitorMode = choice("MonitorMode", ("min", "max"))
+AcceleratorKind = choice("AcceleratorKind", ("none", "deepcache", "forecast"))
 
 # ---------------------------------------------------------------- data
 
@@ -222,6 +223,13 @@ EVALUATE_STEPS = (1, 2, 4, 8, 25, 50)  # distill.evaluate's sweep for a pipeline
 
 
 @dataclass
+class AccelerateConfig:
+    """A training-free sampling accelerator (distill.accelerate): its kind and the options its class takes."""
+    kind: AcceleratorKind = AcceleratorKind.none
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class EvaluateConfig:
     pipeline: str = MISSING  # a diffusers pipeline folder or hub id
     model_name: str | None = None  # label in tables and plots; default: the folder name
@@ -229,6 +237,8 @@ class EvaluateConfig:
     eval: Any = MISSING  # the evaluation set (conf/eval): prompts, reference, feature network, CLIP model
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     schedulers: list[str] | None = None  # several scheduler names in one sweep (overrides `scheduler`)
+    accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)  # a sampling accelerator (conf/accelerate)
+    accelerators: list[str] | None = None  # several accelerator presets in one sweep (overrides `accelerate`)
     steps: list[int] | None = None  # step counts, a row each; null: EVALUATE_STEPS plus the export's intended count (distill.json)
     num_per_class: int = 50  # samples of each prompt of the evaluation set
     seed: int = 0
@@ -260,6 +270,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
                 "pruned": PrunedStudentConfig, "pretrained": PretrainedStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
                 "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig},
     "scheduler": {"scheduler": SchedulerConfig},
+    "accelerate": {"accelerate": AccelerateConfig},
     "eval": {"eval": EvalConfig},
     "trainer": {"trainer": TrainerConfig},
     "checkpoint": {"checkpoint": CheckpointConfig},

@@ -14,14 +14,17 @@ from torch import nn
 
 class NFECounter:
     """Counts forward calls of a network, and the examples passing through them, with a forward hook
-    (the network itself is not wrapped, so pipelines that inspect it keep working)."""
+    (the network itself is not wrapped, so pipelines that inspect it keep working). A call whose output a
+    sampling accelerator predicted instead of computing (``distill.accelerate``) is not an evaluation."""
 
     def __init__(self, module: nn.Module):
         self.calls = 0
         self.examples = 0
-        self._handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handle = module.register_forward_hook(self._hook, with_kwargs=True)
 
-    def _hook(self, module, args, kwargs):
+    def _hook(self, module, args, kwargs, output):
+        if module.__dict__.get("_distill_predicted", False):
+            return
         sample = args[0] if args else kwargs["sample"]
         self.calls += 1
         self.examples += sample.shape[0]

@@ -37,6 +37,7 @@ class PipelineSampler:
         self.options = dict(options or {})
         pipe.set_progress_bar_config(disable=True)
         self.size = pipe.unet.config.sample_size * pipe.vae_scale_factor
+        self.accelerator = None  # a training-free sampling accelerator (distill.accelerate), None: plain
 
     def scheduler(self, name: str):
         from distill.inference.schedulers import make_scheduler
@@ -48,9 +49,14 @@ class PipelineSampler:
 
     @torch.no_grad()
     def __call__(self, captions, labels, scheduler, steps, guidance_scale, generator):
+        from distill.accelerate import accelerated
+
         self.pipe.scheduler = self.scheduler(scheduler)
-        out = self.pipe(list(captions), num_inference_steps=steps, guidance_scale=guidance_scale or 1.0,
-                        height=self.size, width=self.size, generator=generator, output_type="pt").images
+        if self.accelerator is not None:
+            self.accelerator.use_scheduler(scheduler)
+        with accelerated(self.pipe, self.accelerator):
+            out = self.pipe(list(captions), num_inference_steps=steps, guidance_scale=guidance_scale or 1.0,
+                            height=self.size, width=self.size, generator=generator, output_type="pt").images
         return out * 2.0 - 1.0
 
 

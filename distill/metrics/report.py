@@ -15,7 +15,7 @@ import torch
 
 from distill.metrics.registry import METRICS
 
-RUN_COLUMNS = ["model", "scheduler", "steps", "guidance_scale", "nfe"]
+RUN_COLUMNS = ["model", "scheduler", "accelerate", "steps", "guidance_scale", "nfe"]
 COST_COLUMNS = ["latency_s", "images_per_s", "peak_memory_mb", "gflops_per_image", "params_m", "active_params_m"]
 
 

@@ -1,0 +1,59 @@
+"""Training-free sampling accelerators for any diffusers pipeline and any UNet (teacher or student): feature
+caching (DeepCache) and step forecasting (Taylor or fitted), each a sampling option that ``distill.evaluate``
+and the quality-cost callback sweep like schedulers (``accelerate=deepcache`` or ``accelerators=[none,...]``).
+
+    from distill.accelerate import DeepCache, accelerated
+    with accelerated(pipe, DeepCache(interval=3)):
+        image = pipe(prompt).images[0]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from distill.accelerate.base import Accelerator, NoAccelerator, accelerated, disable, enable
+from distill.accelerate.deepcache import DeepCache
+from distill.accelerate.forecast import Forecast
+
+ACCELERATORS: dict[str, type[Accelerator]] = {"none": NoAccelerator, "deepcache": DeepCache, "forecast": Forecast}
+ACCELERATE_CONF = Path(__file__).resolve().parents[1] / "conf" / "accelerate"
+
+
+def accelerator_options(name: str) -> dict:
+    """The ``options`` of the package's ``conf/accelerate/<name>.yaml`` (a named preset of an accelerator)."""
+    path = ACCELERATE_CONF / f"{name}.yaml"
+    if not path.is_file():
+        presets = sorted(p.stem for p in ACCELERATE_CONF.glob("*.yaml"))
+        raise ValueError(f"accelerator {name!r} is unknown; use one of {presets}")
+    node = OmegaConf.to_container(OmegaConf.load(path))
+    return {"kind": node.get("kind", name), "options": dict(node.get("options") or {})}
+
+
+def make_accelerator(kind: str, options: dict | None = None, **context) -> Accelerator | None:
+    """The accelerator ``kind`` with ``options`` (None for ``none``); ``context`` fills options it takes and the
+    user left out (the pipeline's folder and the scheduler, for a fitted forecaster)."""
+    if kind not in ACCELERATORS:
+        raise ValueError(f"accelerate.kind={kind!r} is unknown; use one of {sorted(ACCELERATORS)}")
+    if kind == "none":
+        return None
+    options = dict(options or {})
+    if kind == "forecast":  # the pipeline folder holds a fitted forecaster's coefficients
+        for key, value in context.items():
+            if options.get(key) is None:
+                options[key] = value
+    try:
+        return ACCELERATORS[kind](**options)
+    except TypeError as err:  # an option the accelerator does not take
+        raise ValueError(f"accelerate.options for {kind}: {err}") from err
+
+
+def preset(name: str, **context) -> Accelerator | None:
+    """The accelerator of preset ``name`` (``conf/accelerate/<name>.yaml``)."""
+    node = accelerator_options(name)
+    return make_accelerator(node["kind"], node["options"], **context)
+
+
+__all__ = ["ACCELERATORS", "Accelerator", "DeepCache", "Forecast", "NoAccelerator", "accelerated",
+           "accelerator_options", "disable", "enable", "make_accelerator", "preset"]

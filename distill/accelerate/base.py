@@ -1,0 +1,131 @@
+"""What every training-free sampling accelerator shares: hooks on a pipeline's UNet that live for one sampling call
+or until removed, a fresh state at the start of each pipeline call, and honest evaluation counts.
+
+An accelerator attaches to the denoiser (``attach(unet)``) through diffusers' hook registry, so the pipeline is
+still called as ``pipe(prompt, ...)``. ``accelerated(pipe, accelerator)`` attaches it for a ``with`` block;
+``enable(pipe, accelerator)`` until ``disable(pipe)``. Each pipeline call opens its progress bar once before the
+first denoising step: that is where the accelerator's state is reset, so every call starts a new trajectory.
+
+A call of the UNet whose output was predicted instead of computed sets ``unet._distill_predicted``; the NFE
+counter (``distill.metrics.cost.NFECounter``) does not count it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+PREDICTED = "_distill_predicted"  # set on the UNet after a call whose output no network computed
+
+
+class Accelerator:
+    """Base class: ``attach`` / ``detach`` hooks on a UNet, ``reset`` before each trajectory of
+    ``num_inference_steps`` calls (None when unknown)."""
+
+    name = "none"
+
+    def attach(self, unet: torch.nn.Module) -> None:
+        self.unet = unet
+
+    def detach(self) -> None:
+        self.unet = None
+
+    def reset(self, num_inference_steps: int | None = None) -> None:
+        self.num_inference_steps = num_inference_steps
+
+    def describe(self) -> str:
+        return self.name
+
+    def use_scheduler(self, name: str) -> None:
+        """The name of the scheduler the next calls sample with (what a fitted forecaster looks up)."""
+
+
+class NoAccelerator(Accelerator):
+    """Plain sampling (the ``none`` option of a sweep)."""
+
+
+class CallHook(ModelHook):
+    """A diffusers ``ModelHook`` that hands each forward call to ``fn(original_forward, *args, **kwargs)``."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def new_forward(self, module: torch.nn.Module, *args, **kwargs):
+        return self.fn(self.fn_ref.original_forward, *args, **kwargs)
+
+
+def add_hook(module: torch.nn.Module, name: str, fn) -> None:
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(CallHook(fn), name)
+
+
+def remove_hook(module: torch.nn.Module, name: str) -> None:
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is not None and registry.get_hook(name) is not None:
+        registry.remove_hook(name, recurse=False)
+
+
+def _reset_on_call(pipe, accelerator: Accelerator):
+    original = pipe.progress_bar
+
+    def progress_bar(iterable=None, total=None):
+        accelerator.reset(total if total is not None else (len(iterable) if iterable is not None else None))
+        return original(iterable=iterable, total=total)
+
+    return original, progress_bar
+
+
+def enable(pipe, accelerator: Accelerator):
+    """``accelerator`` on ``pipe`` until ``disable(pipe)``: every later ``pipe(...)`` call samples with it."""
+    disable(pipe)
+    accelerator.attach(pipe.unet)
+    accelerator.reset()
+    own = pipe.__dict__.get("progress_bar")  # an instance override of the class's method, kept
+    _, pipe.progress_bar = _reset_on_call(pipe, accelerator)
+    pipe._distill_accelerator = (accelerator, own)
+    return pipe
+
+
+def disable(pipe) -> None:
+    """Remove the accelerator ``enable`` put on ``pipe`` (nothing if none)."""
+    state = pipe.__dict__.pop("_distill_accelerator", None)
+    if state is not None:
+        accelerator, own = state
+        accelerator.detach()
+        del pipe.__dict__["progress_bar"]  # back to the class's method ...
+        if own is not None:
+            pipe.progress_bar = own  # ... or to what the instance had
+
+
+@contextlib.contextmanager
+def accelerated(pipe, accelerator: Accelerator | None) -> Iterator:
+    """``pipe`` sampling with ``accelerator`` inside the block (plain with None)."""
+    if accelerator is None:
+        yield pipe
+        return
+    enable(pipe, accelerator)
+    try:
+        yield pipe
+    finally:
+        disable(pipe)
+
+
+def output_tensor(out):
+    """The sample tensor of a UNet call's output: a tensor, a tuple or a diffusers ``BaseOutput``."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple):
+        return out[0]
+    return out.sample
+
+
+def like_output(out, sample: torch.Tensor):
+    """``sample`` in the form of the UNet output ``out``."""
+    if isinstance(out, torch.Tensor):
+        return sample
+    if isinstance(out, tuple):
+        return (sample, *out[1:])
+    return type(out)(sample=sample)

@@ -1,0 +1,190 @@
+"""DeepCache (Ma, Fang & Wang 2023): reuse a UNet's deep features between adjacent denoising steps.
+
+A UNet's skip connections are numbered in the order the encoder produces them: 0 is ``conv_in``'s output, then
+one per down-block layer (a resnet with its attention) and one per downsampler. Skip branch ``b`` keeps every
+layer that produces or consumes a skip ``<= b`` (the shallow part: ``conv_in``, the first down layers, the last up
+layers, ``conv_out``) and caches every deeper one (the rest of the encoder, the mid block, the first up layers).
+On a full step the whole UNet runs and each deep layer's output is stored; on a cached step the deep layers return
+what they stored and only the shallow branch is computed, so the up layer at depth ``b`` joins the cached deep
+feature with a fresh skip ``b``, as in the paper (Fig. 2; branch 0 is the paper's shallowest, fastest choice).
+
+Schedules over the ``T`` steps of a call: ``uniform`` runs the full UNet every ``interval``-th step (0, N, 2N, ...);
+``nonuniform`` places as many full steps, ``ceil(T / interval)``, denser around ``center * (T - 1)`` with spacing
+growing as the ``power`` of the distance (the paper's non-uniform 1:N strategy, for large intervals).
+
+Every UNet inside the denoiser (one for a plain or compressed UNet, one per expert of a timestep MoE) keeps its
+own cache and counts its own calls; a call whose batch or dtype differs from the cached one runs in full. The
+package ``DeepCache`` (0.1.1) patches a pipeline's ``unet.down_blocks`` the same way but needs the UNet at
+``pipe.unet`` (no MoE), finds the step by ``scheduler.timesteps.index(t)`` (wrong where a scheduler repeats a
+timestep) and implements its non-uniform schedule only in pipelines copied from diffusers 0.24; the tests check
+this implementation against its ``DeepCacheSDHelper`` on a Stable Diffusion layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from distill.accelerate.base import Accelerator, add_hook, remove_hook
+
+HOOK = "distill_deepcache"
+SCHEDULES = ("uniform", "nonuniform")
+
+
+def is_unet(module: nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("conv_in", "down_blocks", "mid_block", "up_blocks"))
+
+
+def branch_layers(unet: nn.Module) -> tuple[list[tuple[str, nn.Module, float]], int]:
+    """``([(name, layer, depth), ...], number of skips)``: each cacheable layer of ``unet`` with the skip index
+    it produces (encoder) or consumes (decoder); the mid block is infinitely deep; an upsampler has the depth of
+    its block's last layer, whose output it upsamples."""
+    layers, depth = [], 0
+
+    def layer_pairs(prefix: str, block) -> list[tuple[list[tuple[str, nn.Module]]]]:
+        attentions = getattr(block, "attentions", None)
+        pairs = []
+        for i, resnet in enumerate(block.resnets):
+            pair = [(f"{prefix}.resnets.{i}", resnet)]
+            if attentions is not None and i < len(attentions):
+                pair.append((f"{prefix}.attentions.{i}", attentions[i]))
+            pairs.append(pair)
+        return pairs
+
+    for k, block in enumerate(unet.down_blocks):
+        for pair in layer_pairs(f"down_blocks.{k}", block):
+            depth += 1
+            layers += [(name, m, depth) for name, m in pair]
+        for i, down in enumerate(getattr(block, "downsamplers", None) or []):
+            depth += 1
+            layers.append((f"down_blocks.{k}.downsamplers.{i}", down, depth))
+    skips = depth + 1  # conv_in's output is skip 0
+    if unet.mid_block is not None:
+        layers.append(("mid_block", unet.mid_block, math.inf))
+    consumed = depth
+    for k, block in enumerate(unet.up_blocks):
+        last = math.inf
+        for pair in layer_pairs(f"up_blocks.{k}", block):
+            layers += [(name, m, consumed) for name, m in pair]
+            last, consumed = consumed, consumed - 1
+        for i, up in enumerate(getattr(block, "upsamplers", None) or []):
+            layers.append((f"up_blocks.{k}.upsamplers.{i}", up, last))
+    return layers, skips
+
+
+def full_steps(num_steps: int, interval: int, schedule: str = "uniform", center: float = 0.5,
+               power: float = 1.4) -> list[int]:
+    """The steps (of ``num_steps``) on which the whole UNet runs; always step 0."""
+    if schedule == "uniform" or num_steps <= 2:
+        return list(range(0, num_steps, interval))
+    count = math.ceil(num_steps / interval)
+    c = center * (num_steps - 1)
+    # uniform in u, mapped by |u|^power: dense where u is near 0 (the centre), sparse towards both ends
+    lo, hi = -c ** (1 / power), (num_steps - 1 - c) ** (1 / power)
+    picked = {0}
+    for i in range(count):
+        u = lo + (hi - lo) * i / max(count - 1, 1)
+        picked.add(min(num_steps - 1, max(0, round(c + math.copysign(abs(u) ** power, u)))))
+    return sorted(picked)
+
+
+class _UNetCache:
+    """The cache of one UNet: its deep layers' outputs, and whether the current call is a full one."""
+
+    def __init__(self, unet: nn.Module, branch: int, owner: DeepCache):
+        layers, skips = branch_layers(unet)
+        if branch >= skips:
+            raise ValueError(f"accelerate.options.branch={branch} is beyond this UNet's {skips} skip branches "
+                             f"(0..{skips - 1}); use a smaller branch")
+        self.unet, self.owner = unet, owner
+        self.deep = [(name, m) for name, m, depth in layers if depth > branch]
+        self.calls, self.full, self.key = 0, True, None
+        self.outputs: dict[str, object] = {}
+        add_hook(unet, HOOK, self._unet_call)
+        for name, module in self.deep:
+            add_hook(module, HOOK, lambda forward, *a, _name=name, **k: self._layer_call(_name, forward, *a, **k))
+
+    def _unet_call(self, forward, *args, **kwargs):
+        sample = args[0] if args else kwargs["sample"]
+        key = (tuple(sample.shape), sample.dtype, sample.device)
+        self.full = self.key != key or self.owner.is_full(self.calls)
+        if self.full:
+            self.outputs.clear()
+        self.key, self.calls = key, self.calls + 1
+        return forward(*args, **kwargs)
+
+    def _layer_call(self, name, forward, *args, **kwargs):
+        if not self.full and name in self.outputs:
+            return self.outputs[name]
+        out = forward(*args, **kwargs)
+        self.outputs[name] = out
+        return out
+
+    def reset(self) -> None:
+        self.calls, self.full, self.key = 0, True, None
+        self.outputs.clear()
+
+    def remove(self) -> None:
+        remove_hook(self.unet, HOOK)
+        for _, module in self.deep:
+            remove_hook(module, HOOK)
+
+
+class DeepCache(Accelerator):
+    """Cache the deep features of every UNet in the denoiser: the whole UNet on the full steps of ``schedule``
+    (every ``interval``-th), the shallow skip branch ``branch`` only on the others. ``interval=1`` is plain
+    sampling."""
+
+    name = "deepcache"
+
+    def __init__(self, interval: int = 3, branch: int = 0, schedule: str = "uniform", center: float = 0.5,
+                 power: float = 1.4):
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"accelerate.options.interval={interval!r} must be an integer >= 1 (1 = no caching)")
+        if isinstance(branch, bool) or not isinstance(branch, int) or branch < 0:
+            raise ValueError(f"accelerate.options.branch={branch!r} must be an integer >= 0 (0 = the shallowest skip)")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"accelerate.options.schedule={schedule!r} is not one of {list(SCHEDULES)}")
+        if not 0.0 <= center <= 1.0:
+            raise ValueError(f"accelerate.options.center={center} must be in [0, 1] (a fraction of the steps)")
+        if power < 1.0:
+            raise ValueError(f"accelerate.options.power={power} must be >= 1 (1 = evenly spaced)")
+        self.interval, self.branch, self.schedule, self.center, self.power = interval, branch, schedule, center, power
+        self.caches: list[_UNetCache] = []
+        self.num_inference_steps, self._full = None, None
+
+    def describe(self) -> str:
+        extra = "" if self.schedule == "uniform" else f",{self.schedule}"
+        return f"deepcache(N={self.interval},b={self.branch}{extra})"
+
+    def attach(self, unet: nn.Module) -> None:
+        self.detach()
+        unets = [m for m in unet.modules() if is_unet(m)]
+        if not unets:
+            raise ValueError(f"accelerate=deepcache needs a UNet (conv_in, down_blocks, mid_block, up_blocks); "
+                             f"the denoiser is a {type(unet).__name__}")
+        try:
+            for inner in unets:
+                self.caches.append(_UNetCache(inner, self.branch, self))
+        except ValueError:
+            self.detach()
+            raise
+        super().attach(unet)
+
+    def detach(self) -> None:
+        for cache in self.caches:
+            cache.remove()
+        self.caches = []
+        super().detach()
+
+    def reset(self, num_inference_steps: int | None = None) -> None:
+        super().reset(num_inference_steps)
+        self._full = (set(full_steps(num_inference_steps, self.interval, self.schedule, self.center, self.power))
+                      if num_inference_steps and self.schedule != "uniform" else None)
+        for cache in self.caches:
+            cache.reset()
+
+    def is_full(self, call: int) -> bool:
+        """Whether a UNet's ``call``-th call since the reset runs in full."""
+        return call in self._full if self._full is not None else call % self.interval == 0

@@ -1,0 +1,230 @@
+"""Step forecasting: predict the denoiser's output on some steps from the outputs of the steps computed before,
+and skip the network there (the "accelerate" method).
+
+The steps of a call are real (the network runs) or predicted, by a pattern: the first ``warmup`` and the last
+``last`` steps are real, and between them one step in ``interval`` (``interval=1``: every step is real, plain
+sampling); or an explicit list of real steps. Two predictors:
+
+- ``taylor`` (training-free, TaylorSeer, Liu et al. 2025, applied to the whole output): a Taylor expansion in
+  the step index about the last real step, its k-th derivative estimated by the k-th backward difference of the
+  real outputs; computed by diffusers' ``TaylorSeerState`` (which diffusers applies to single modules of a
+  transformer).
+- ``fitted``: per predicted step k, ``out_k = sum_j a_kj * out_(r_j) + c_k * x_k``, a linear combination of the
+  last ``lags`` real outputs and the current input, with scalar coefficients fitted by ridge regression on
+  recorded teacher trajectories (``fit_forecaster``; ``python -m distill.fit_forecaster``), saved as
+  ``forecaster.json`` next to the pipeline and looked up by scheduler, step count and pattern.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from diffusers.hooks.taylorseer_cache import TaylorSeerState
+
+from distill.accelerate.base import (
+    PREDICTED,
+    Accelerator,
+    add_hook,
+    like_output,
+    output_tensor,
+    remove_hook,
+)
+
+HOOK = "distill_forecast"
+PREDICTORS = ("taylor", "fitted")
+FILE = "forecaster.json"
+
+
+def real_steps(num_steps: int, interval: int = 2, warmup: int = 2, last: int = 1,
+               steps: Sequence[int] | None = None) -> list[int]:
+    """The steps (of ``num_steps``) on which the network runs; the others are predicted."""
+    if steps is not None:
+        return sorted({int(s) for s in steps if 0 <= int(s) < num_steps} | {0})
+    real = set(range(min(warmup, num_steps))) | set(range(max(num_steps - last, 0), num_steps))
+    real |= {k for k in range(warmup, num_steps) if (k - warmup) % interval == interval - 1} if interval > 1 \
+        else set(range(num_steps))
+    return sorted(real)
+
+
+@dataclass
+class StepFit:
+    """Coefficients of one predicted step: on the last real outputs (oldest first) and on the input x."""
+    lags: list[int]
+    a: list[float]
+    c: float
+    residual: float = float("nan")  # relative RMS error on the fitting trajectories
+
+
+@dataclass
+class FittedForecaster:
+    """Fitted coefficients for one (scheduler, steps, pattern)."""
+    scheduler: str
+    num_steps: int
+    real: list[int]
+    steps: dict[int, StepFit] = field(default_factory=dict)
+    ridge: float = 1e-4
+    trajectories: int = 0
+
+    @property
+    def key(self) -> str:
+        return forecaster_key(self.scheduler, self.num_steps, self.real)
+
+    def predict(self, step: int, history: list[tuple[int, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+        fit = self.steps[step]
+        outs = dict(history)
+        pred = fit.c * x.float()
+        for lag, a in zip(fit.lags, fit.a):
+            pred = pred + a * outs[lag].float()
+        return pred
+
+
+def forecaster_key(scheduler: str, num_steps: int, real: Sequence[int]) -> str:
+    return f"{scheduler}/{num_steps}/" + ",".join(map(str, real))
+
+
+def fit_step(outputs: torch.Tensor, inputs: torch.Tensor, step: int, lags: list[int], ridge: float) -> StepFit:
+    """Ridge regression of ``outputs[:, step]`` on ``outputs[:, lags]`` and ``inputs[:, step]`` with scalar
+    coefficients over every element; ``outputs`` / ``inputs`` are (trajectories, steps, ...) recordings."""
+    target = outputs[:, step].double().flatten()
+    design = torch.stack([outputs[:, j].double().flatten() for j in lags] + [inputs[:, step].double().flatten()], 1)
+    gram = design.T @ design
+    scale = gram.diagonal().mean()
+    coef = torch.linalg.solve(gram + ridge * scale * torch.eye(gram.shape[0], dtype=gram.dtype), design.T @ target)
+    residual = float((design @ coef - target).norm() / target.norm().clamp_min(1e-12))
+    return StepFit(lags=list(lags), a=[float(v) for v in coef[:-1]], c=float(coef[-1]), residual=residual)
+
+
+def fit_forecaster(outputs: torch.Tensor, inputs: torch.Tensor, scheduler: str, real: Sequence[int], lags: int = 2,
+                   ridge: float = 1e-4) -> FittedForecaster:
+    """Fit every predicted step of pattern ``real`` on recorded trajectories (outputs and inputs, (n, steps, ...))."""
+    if outputs.shape[:2] != inputs.shape[:2]:
+        raise ValueError(f"outputs {tuple(outputs.shape)} and inputs {tuple(inputs.shape)} must be recorded "
+                         "over the same trajectories and steps")
+    if lags < 1:
+        raise ValueError(f"lags={lags} must be >= 1 (real outputs a prediction combines)")
+    num_steps, real = outputs.shape[1], sorted(real)
+    fitted = FittedForecaster(scheduler, num_steps, list(real), ridge=ridge, trajectories=outputs.shape[0])
+    for step in range(num_steps):
+        if step in real:
+            continue
+        before = [r for r in real if r < step][-lags:]
+        fitted.steps[step] = fit_step(outputs, inputs, step, before, ridge)
+    return fitted
+
+
+def save_forecasters(folder: str | Path, forecasters: Sequence[FittedForecaster]) -> Path:
+    """Add ``forecasters`` to ``folder/forecaster.json`` (others kept), keyed by scheduler/steps/pattern."""
+    path = Path(folder) / FILE
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    for f in forecasters:
+        data[f.key] = asdict(f)
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def load_forecaster(folder: str | Path, scheduler: str, num_steps: int, real: Sequence[int]) -> FittedForecaster:
+    path = Path(folder) / FILE
+    key = forecaster_key(scheduler, num_steps, real)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    if key not in data:
+        raise FileNotFoundError(
+            f"no fitted forecaster for {key} in {path}" + (f" (it has {sorted(data)})" if data else "") +
+            f"; fit one: python -m distill.fit_forecaster pipeline={Path(folder)} scheduler={scheduler} "
+            f"steps={num_steps} ...")
+    raw = data[key]
+    steps = {int(k): StepFit(**v) for k, v in raw.pop("steps").items()}
+    return FittedForecaster(**raw, steps=steps)
+
+
+class Forecast(Accelerator):
+    """Skip the denoiser on the predicted steps of the pattern and return a forecast of its output instead:
+    ``predictor=taylor`` (of ``order``) or ``fitted`` (coefficients from ``forecaster.json`` in ``path``,
+    default the pipeline's folder, for the scheduler ``scheduler`` this is sampled with)."""
+
+    name = "forecast"
+
+    def __init__(self, predictor: str = "taylor", interval: int = 2, warmup: int = 2, last: int = 1,
+                 steps: list[int] | None = None, order: int = 1, path: str | None = None,
+                 scheduler: str | None = None):
+        if predictor not in PREDICTORS:
+            raise ValueError(f"accelerate.options.predictor={predictor!r} is not one of {list(PREDICTORS)}")
+        for key, value, low in (("interval", interval, 1), ("warmup", warmup, 1), ("last", last, 0), ("order", order, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"accelerate.options.{key}={value!r} must be an integer >= {low}")
+        if predictor == "taylor" and warmup < order + 1:
+            raise ValueError(f"accelerate.options.warmup={warmup} is below order + 1 = {order + 1}: a Taylor "
+                             "forecast of that order needs as many real steps first")
+        self.predictor, self.interval, self.warmup, self.last = predictor, interval, warmup, last
+        self.steps, self.order, self.path, self.scheduler = steps, order, path, scheduler
+        self._given_scheduler = scheduler
+        self.fitted: FittedForecaster | None = None
+        self.num_inference_steps, self.real = None, None
+        self.history: list[tuple[int, torch.Tensor]] = []
+        self.taylor = None
+        self.calls, self.key = 0, None
+
+    def describe(self) -> str:
+        pattern = f"steps={list(self.steps)}" if self.steps is not None else f"N={self.interval}"
+        return f"forecast({self.predictor}{self.order if self.predictor == 'taylor' else ''},{pattern})"
+
+    def use_scheduler(self, name: str) -> None:
+        self.scheduler = self._given_scheduler or name
+
+    def pattern(self, num_steps: int) -> list[int]:
+        return real_steps(num_steps, self.interval, self.warmup, self.last, self.steps)
+
+    def attach(self, unet: torch.nn.Module) -> None:
+        self.detach()
+        add_hook(unet, HOOK, self._call)
+        super().attach(unet)
+
+    def detach(self) -> None:
+        if getattr(self, "unet", None) is not None:
+            remove_hook(self.unet, HOOK)
+            self.unet.__dict__.pop(PREDICTED, None)
+        super().detach()
+
+    def reset(self, num_inference_steps: int | None = None) -> None:
+        super().reset(num_inference_steps)
+        self.real = set(self.pattern(num_inference_steps)) if num_inference_steps else None
+        self.history, self.calls, self.key = [], 0, None
+        self.taylor = TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=self.order)
+        if self.predictor == "fitted" and num_inference_steps:
+            if self.path is None or self.scheduler is None:
+                raise ValueError("accelerate.options.predictor=fitted needs the forecaster's folder and scheduler "
+                                 "(distill.evaluate passes the pipeline's; set accelerate.options.path=...)")
+            self.fitted = load_forecaster(self.path, self.scheduler, num_inference_steps, sorted(self.real))
+
+    def _call(self, forward, *args, **kwargs):
+        sample = args[0] if args else kwargs["sample"]
+        key = (tuple(sample.shape), sample.dtype)
+        step, self.calls = self.calls, self.calls + 1
+        predict = (self.real is not None and step not in self.real and self.key == key and
+                   len(self.history) >= (1 if self.predictor == "fitted" else self.order + 1))
+        if predict:
+            if self.predictor == "taylor":
+                self.taylor.current_step = step
+                pred = self.taylor.predict()[0]
+            else:
+                pred = self.fitted.predict(step, self.history, sample)
+            self.unet.__dict__[PREDICTED] = True
+            return like_output(self._template, pred.to(output_tensor(self._template).dtype))
+        self.unet.__dict__[PREDICTED] = False
+        out = forward(*args, **kwargs)
+        self.key, self._template = key, out
+        tensor = output_tensor(out).detach()
+        self.history = (self.history + [(step, tensor)])[-8:]
+        if self.taylor is not None:
+            self.taylor.current_step = step
+            self.taylor.update((tensor,))
+        return out
+
+
+def predicted_fraction(num_steps: int, **pattern) -> float:
+    """The fraction of network evaluations a pattern saves."""
+    return 1.0 - len(real_steps(num_steps, **pattern)) / num_steps if num_steps else 0.0
+

@@ -1,0 +1,292 @@
+"""Training-free accelerators: DeepCache equals plain sampling at interval 1 and the DeepCache package's
+``DeepCacheSDHelper`` on a Stable Diffusion layout, and computes only the shallow branch on cached steps; a
+forecast that predicts nothing equals plain sampling, the Taylor forecast is TaylorSeer's expansion, the fitted
+regressor recovers a known linear trajectory; every accelerator runs with DDIM, DPM-Solver and LCM and with MoE
+students; NFE counts only computed calls; bad settings fail naming the key."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+
+from distill.accelerate import DeepCache, Forecast, accelerated, preset
+from distill.accelerate.deepcache import branch_layers, full_steps
+from distill.accelerate.forecast import (
+    fit_forecaster,
+    load_forecaster,
+    real_steps,
+    save_forecasters,
+)
+from distill.assets import asset_path
+from distill.metrics.cost import NFECounter, count_flops
+
+PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from distill.inference.loading import load_pipeline
+
+    pipe = load_pipeline(str(asset_path("teacher")))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _sample(pipe, accelerator=None, steps=8, scheduler=None, **kw):
+    from distill.inference.schedulers import make_scheduler, scheduler_options
+
+    if scheduler is not None:
+        pipe.scheduler = make_scheduler(scheduler, pipe.scheduler.config, **scheduler_options(scheduler))
+    with accelerated(pipe, accelerator), NFECounter(pipe.unet) as counter:
+        images = pipe(PROMPTS, num_inference_steps=steps, generator=torch.Generator().manual_seed(0),
+                      output_type="pt", **kw).images
+    return images, counter.calls
+
+
+@pytest.mark.parametrize("scheduler", ["ddim", "dpmsolver"])
+def test_interval_1_and_no_prediction_equal_plain_sampling_and_hooks_go_away(pipe, scheduler):
+    plain, calls = _sample(pipe, None, scheduler=scheduler)
+    for accelerator in (DeepCache(interval=1), Forecast(interval=1), Forecast(steps=list(range(8)))):
+        images, n = _sample(pipe, accelerator, scheduler=scheduler)
+        assert torch.equal(images, plain) and n == calls == 8, accelerator.describe()
+    assert not getattr(pipe.unet, "_diffusers_hook", None) or not pipe.unet._diffusers_hook.hooks
+    assert "progress_bar" not in pipe.__dict__
+    again, _ = _sample(pipe, None, scheduler=scheduler)
+    assert torch.equal(again, plain)
+
+
+def sd_layout_unet() -> UNet2DConditionModel:
+    """Stable Diffusion 1.5's block layout (4 levels, 2 layers a block, 3 an up block) at a tiny width."""
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, block_out_channels=(8, 16, 16, 16), layers_per_block=2,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16, attention_head_dim=2, norm_num_groups=4).eval()
+
+
+def _loop(unet, scheduler, steps, accelerator=None):
+    """A denoising loop as a pipeline runs it (positional timestep, as DeepCacheSDHelper reads it)."""
+    scheduler.set_timesteps(steps)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 16, 16, generator=generator)
+    text = torch.randn(2, 5, 16, generator=generator)
+    if accelerator is not None:
+        accelerator.reset(steps)
+    outs = []
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            out = unet(x, t, encoder_hidden_states=text).sample
+            outs.append(out)
+            x = scheduler.step(out, t, x).prev_sample
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("branch", [0, 1, 2, 4, 7])
+def test_deepcache_equals_the_deepcache_package_on_a_stable_diffusion_layout(branch):
+    from DeepCache.extension.deepcache import DeepCacheSDHelper  # the reference (a dev dependency)
+    from diffusers import DDIMScheduler
+
+    unet, scheduler = sd_layout_unet(), DDIMScheduler()
+    helper = DeepCacheSDHelper(pipe=SimpleNamespace(unet=unet, scheduler=scheduler))
+    helper.set_params(cache_interval=3, cache_branch_id=branch)
+    helper.enable()
+    reference = _loop(unet, scheduler, 10)
+    helper.disable()
+    plain = _loop(unet, scheduler, 10)
+    accelerator = DeepCache(interval=3, branch=branch)
+    accelerator.attach(unet)
+    mine = _loop(unet, scheduler, 10, accelerator)
+    accelerator.detach()
+    assert torch.equal(mine, reference)
+    assert torch.equal(mine[0], plain[0]) and not torch.equal(mine[1], plain[1])  # step 1 is the first cached
+
+
+def test_cached_steps_run_only_the_shallow_branch_and_save_flops():
+    unet = sd_layout_unet()
+    layers, skips = branch_layers(unet)
+    assert skips == 12  # conv_in + 4 levels x 2 layers + 3 downsamplers, SD's 12 skip connections
+    assert [d for n, _, d in layers if n.startswith("up_blocks.3.resnets")] == [2, 1, 0]
+    assert [d for n, _, d in layers if n.startswith("down_blocks.0")] == [1, 1, 2, 2, 3]
+    calls = {}  # computed calls: a layer's first leaf module runs only when the layer computes
+    for name, module, _ in layers:
+        next(m for m in module.modules() if not list(m.children())).register_forward_pre_hook(
+            lambda m, a, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    accelerator = DeepCache(interval=2, branch=1)
+    accelerator.attach(unet)
+    from diffusers import DDIMScheduler
+
+    _loop(unet, DDIMScheduler(), 4, accelerator)
+    deep = {n for n, _, d in layers if d > 1}
+    assert all(calls[n] == 2 for n in deep) and all(calls[n] == 4 for n in calls if n not in deep)
+    x, t, text = torch.randn(1, 4, 16, 16), torch.tensor(10), torch.randn(1, 5, 16)
+    accelerator.reset(2)
+    full = count_flops(lambda: unet(x, t, encoder_hidden_states=text))
+    cached = count_flops(lambda: unet(x, t, encoder_hidden_states=text))
+    assert cached < 0.5 * full
+    accelerator.detach()
+
+
+def test_nonuniform_schedule_keeps_the_count_and_is_denser_at_the_centre():
+    steps = full_steps(50, 5, "nonuniform", center=0.5, power=1.4)
+    assert steps[0] == 0 and len(steps) == math.ceil(50 / 5) and steps == sorted(set(steps))
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    assert min(gaps[len(gaps) // 2 - 1: len(gaps) // 2 + 1]) < max(gaps[0], gaps[-1])
+    assert full_steps(50, 5) == list(range(0, 50, 5))
+
+
+class Recorded(torch.nn.Module):
+    """A stand-in network whose outputs are given: called on step k (as a tensor), it returns ``outputs[k]``."""
+
+    def __init__(self, outputs):
+        super().__init__()
+        self.outputs, self.calls = list(outputs), 0
+
+    def forward(self, k):
+        self.calls += 1
+        return self.outputs[int(k)]
+
+
+def test_the_taylor_forecast_is_taylorseers_expansion():
+    """Order 2 from real steps 0, 1, 2, predicting 3 and 4: o2 + f1 s + f2 s^2 / 2 with backward differences."""
+    outs = [torch.tensor([1.0, -2.0]), torch.tensor([2.0, 0.5]), torch.tensor([4.0, 1.0])]
+    f1 = outs[2] - outs[1]
+    f2 = (outs[2] - outs[1]) - (outs[1] - outs[0])
+    net, forecast = Recorded(outs), Forecast(order=2, warmup=3, steps=[0, 1, 2])
+    forecast.attach(net)
+    forecast.reset(5)
+    got = [net(torch.tensor(k)) for k in range(5)]
+    forecast.detach()
+    assert net.calls == 3
+    for s, k in ((1, 3), (2, 4)):
+        assert torch.allclose(got[k], outs[2] + f1 * s + f2 * s * s / 2)
+    # a trajectory linear in the step is forecast exactly at order 1
+    net, line = Recorded([torch.full((2,), 3.0 * k + 1) for k in range(10)]), Forecast(order=1, interval=3, last=0)
+    line.attach(net)
+    line.reset(10)
+    got = [float(net(torch.tensor(k))[0]) for k in range(10)]
+    assert got == [3.0 * k + 1 for k in range(10)] and net.calls == len(real_steps(10, 3, 2, 0)) < 10
+
+
+def test_fitted_regressor_recovers_a_known_linear_trajectory(tmp_path):
+    """Predicted steps follow o_k = 2 o_(r1) - o_(r2) + 0.5 x_k from the last two real steps r2 < r1 < k."""
+    generator = torch.Generator().manual_seed(0)
+    n, steps, real = 6, 10, [0, 1, 2, 4, 6, 8]
+    inputs = torch.randn(n, steps, 3, 4, 4, generator=generator)
+    outputs = torch.randn(n, steps, 3, 4, 4, generator=generator)
+    for k in range(steps):
+        if k not in real:
+            r2, r1 = [r for r in real if r < k][-2:]
+            outputs[:, k] = 2 * outputs[:, r1] - outputs[:, r2] + 0.5 * inputs[:, k]
+    fitted = fit_forecaster(outputs, inputs, "ddim", real, lags=2, ridge=1e-12)
+    assert sorted(fitted.steps) == [3, 5, 7, 9] and fitted.steps[5].lags == [2, 4]
+    for fit in fitted.steps.values():
+        assert fit.a == pytest.approx([-1.0, 2.0], abs=1e-6) and fit.c == pytest.approx(0.5, abs=1e-6)
+        assert fit.residual < 1e-6
+    save_forecasters(tmp_path, [fitted])
+    back = load_forecaster(tmp_path, "ddim", steps, real)
+    assert back.steps[5] == fitted.steps[5]
+    with pytest.raises(FileNotFoundError, match="distill.fit_forecaster"):
+        load_forecaster(tmp_path, "dpmsolver", steps, real)
+
+
+def test_real_step_patterns():
+    assert real_steps(10, interval=2, warmup=2, last=1) == [0, 1, 3, 5, 7, 9]
+    assert real_steps(10, interval=1) == list(range(10))
+    assert real_steps(4, interval=2, warmup=2, last=1) == [0, 1, 3]
+    assert real_steps(10, steps=[5, 2, 11]) == [0, 2, 5]
+
+
+@pytest.mark.parametrize("scheduler, steps", [("ddim", 8), ("dpmsolver", 8), ("lcm", 4)])
+def test_every_accelerator_samples_with_each_scheduler_and_counts_only_computed_calls(pipe, scheduler, steps):
+    plain, _ = _sample(pipe, None, steps, scheduler)
+    for accelerator in (DeepCache(interval=2), Forecast(interval=2)):
+        images, calls = _sample(pipe, accelerator, steps, scheduler)
+        assert images.shape == plain.shape and torch.isfinite(images).all()
+        expected = steps if isinstance(accelerator, DeepCache) else len(real_steps(steps, 2, 2, 1))
+        assert calls == expected, accelerator.describe()
+        if scheduler != "lcm":  # (LCM's sampler on a teacher that was not distilled for it: runs, far from exact)
+            assert (images - plain).abs().mean() < 0.15  # close to, not equal to, plain sampling
+
+
+@pytest.mark.parametrize("which", ["timestep", "token"])
+def test_accelerators_run_on_moe_students(pipe, which):
+    from distill.models.moe import timestep_moe_student, token_moe_student
+
+    teacher = pipe.unet
+    student = (timestep_moe_student(teacher, num_experts=2, noise_scheduler=pipe.scheduler) if which == "timestep"
+               else token_moe_student(teacher, num_experts=2)).eval()
+    pipe.unet = student
+    try:
+        plain, _ = _sample(pipe, None, 8, "ddim")
+        for accelerator in (DeepCache(interval=1), DeepCache(interval=2), Forecast(interval=2)):
+            images, _ = _sample(pipe, accelerator, 8, "ddim")
+            assert torch.isfinite(images).all()
+            if accelerator.describe().startswith("deepcache(N=1"):
+                assert torch.equal(images, plain)
+        cache = DeepCache(interval=2)
+        cache.attach(student)
+        assert len(cache.caches) == (2 if which == "timestep" else 1)  # one cache per expert UNet
+        cache.detach()
+    finally:
+        pipe.unet = teacher
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"interval": 0}, "accelerate.options.interval=0"), ({"branch": -1}, "accelerate.options.branch=-1"),
+    ({"schedule": "cosine"}, "accelerate.options.schedule"), ({"power": 0.5}, "accelerate.options.power"),
+])
+def test_bad_deepcache_settings_raise_naming_the_key(kwargs, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        DeepCache(**kwargs)
+
+
+def test_bad_forecast_settings_and_a_branch_beyond_the_unet_raise(pipe):
+    for kwargs, needle in (({"interval": 0}, "interval=0"), ({"predictor": "lstm"}, "predictor"),
+                           ({"order": 2, "warmup": 2}, "warmup=2")):
+        with pytest.raises(ValueError, match=needle):
+            Forecast(**kwargs)
+    with pytest.raises(ValueError, match="accelerate.options.branch=9"):
+        DeepCache(branch=9).attach(pipe.unet)
+    assert not getattr(pipe.unet, "_diffusers_hook", None) or not pipe.unet._diffusers_hook.hooks
+    assert preset("none") is None and isinstance(preset("deepcache"), DeepCache)
+    with pytest.raises(ValueError, match="accelerator 'warp'"):
+        preset("warp")
+
+
+def _evaluate(tmp_path, *overrides):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "distill.evaluate", *overrides, f"hydra.run.dir={tmp_path / 'eval'}"],
+                          capture_output=True, text=True)
+
+
+def test_evaluate_sweeps_accelerators_like_schedulers(tmp_path):
+    import csv
+
+    proc = _evaluate(tmp_path, "accelerators=[none,deepcache,forecast]", "steps=[6]", "num_per_class=2",
+                     "cost_repeats=1", "grids=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "eval" / "quality_cost.csv")))
+    assert [r["accelerate"] for r in rows] == ["none", "deepcache", "forecast"]
+    assert [r["model"] for r in rows] == ["teacher", "teacher+deepcache", "teacher+forecast"]
+    nfe = [float(r["nfe"]) for r in rows]  # CFG: 2 evaluations a computed step
+    assert nfe == [12.0, 12.0, 2.0 * len(real_steps(6, 2, 2, 1))]
+    flops = [float(r["gflops_per_image"]) for r in rows]
+    assert flops[1] < 0.75 * flops[0] and flops[2] < flops[0]
+
+
+@pytest.mark.parametrize("overrides, code, needle", [
+    (["accelerate=warp"], 1, "accelerate"),
+    (["accelerators=[none,warp]"], 2, "accelerator 'warp'"),
+    (["accelerate=deepcache", "accelerate.options.interval=0"], 2, "accelerate.options.interval=0"),
+    (["accelerate=forecast", "accelerate.options.order=3"], 2, "accelerate.options.warmup=2"),
+    (["accelerate=deepcache", "+accelerate.options.speed=9"], 2, "speed"),
+])
+def test_bad_accelerator_settings_fail_before_sampling(tmp_path, overrides, code, needle):
+    proc = _evaluate(tmp_path, *overrides, "steps=[2]", "num_per_class=1")
+    assert proc.returncode == code and needle in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "eval" / "quality_cost.csv").exists()
