@@ -290,3 +290,26 @@ def test_bad_accelerator_settings_fail_before_sampling(tmp_path, overrides, code
     proc = _evaluate(tmp_path, *overrides, "steps=[2]", "num_per_class=1")
     assert proc.returncode == code and needle in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "eval" / "quality_cost.csv").exists()
+
+
+def test_fit_forecaster_cli_then_sampling_with_the_fitted_coefficients(tmp_path):
+    import csv
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "fit"
+    proc = subprocess.run([sys.executable, "-m", "distill.fit_forecaster", "steps=[6]", "num_per_class=1",
+                           f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "forecaster.json").read_text())
+    assert list(data) == ["ddim/6/0,1,3,5"] and sorted(data["ddim/6/0,1,3,5"]["steps"]) == ["2", "4"]
+    assert all(s["residual"] < 0.5 for s in data["ddim/6/0,1,3,5"]["steps"].values())
+    proc = _evaluate(tmp_path, "accelerate=forecast_fitted", f"accelerate.options.path={out}", "steps=[6]",
+                     "num_per_class=2", "cost_repeats=1", "grids=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = csv.DictReader(open(tmp_path / "eval" / "quality_cost.csv"))
+    assert float(row["nfe"]) == 8.0 and float(row["fid"]) < 50  # 4 computed steps of 6, with CFG
+    proc = _evaluate(tmp_path / "b", "accelerate=forecast_fitted", f"accelerate.options.path={out}", "steps=[8]",
+                     "num_per_class=1", "cost_repeats=1", "grids=false")
+    assert proc.returncode == 2 and "no fitted forecaster for ddim/8/" in proc.stderr, proc.stderr[-2000:]

@@ -119,6 +119,7 @@ def fit_forecaster(outputs: torch.Tensor, inputs: torch.Tensor, scheduler: str, 
 def save_forecasters(folder: str | Path, forecasters: Sequence[FittedForecaster]) -> Path:
     """Add ``forecasters`` to ``folder/forecaster.json`` (others kept), keyed by scheduler/steps/pattern."""
     path = Path(folder) / FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.is_file() else {}
     for f in forecasters:
         data[f.key] = asdict(f)

@@ -256,6 +256,23 @@ class EvaluateConfig:
     sanity_strengths: dict[str, Any] = field(default_factory=dict)  # lists of numbers, checked by the suite
 
 
+@dataclass
+class FitForecasterConfig:
+    pipeline: str = MISSING  # a diffusers pipeline folder or hub id whose trajectories are recorded
+    data: Any = None  # the data group, which the evaluation set follows by default (eval: ${data})
+    eval: Any = MISSING  # the evaluation set whose prompts drive the recorded trajectories
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)  # the real/predicted pattern (options)
+    steps: list[int] = field(default_factory=lambda: [50])  # step counts, a fit each
+    num_per_class: int = 4  # trajectories of each prompt
+    seed: int = 1000  # the evaluation's seeds start at 0: fit on other noise
+    batch_size: int = 16
+    guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0
+    lags: int = 2  # real outputs each prediction combines
+    ridge: float = 1e-4  # ridge penalty, relative to the mean diagonal of the normal equations
+    out: str | None = None  # default: the pipeline folder (a folder inside the package or a hub id: the run dir)
+
+
 SCHEMAS: dict[str, dict[str, type]] = {
     "callbacks": {"ema": EMACallbackConfig, "samples": SampleGridCallbackConfig, "quality_cost": QualityCostCallbackConfig,
                   "progress": ProgressBarCallbackConfig, "lr_monitor": LRMonitorCallbackConfig},
@@ -283,6 +300,7 @@ def register_configs() -> None:
     cs.store(name="base_train", node=TrainConfig)
     cs.store(name="base_sample", node=SampleConfig)
     cs.store(name="base_evaluate", node=EvaluateConfig)
+    cs.store(name="base_fit_forecaster", node=FitForecasterConfig)
     for group, nodes in SCHEMAS.items():
         for name, node in nodes.items():
             cs.store(group=group, name=f"base_{name}", node=node)
