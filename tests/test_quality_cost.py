@@ -198,3 +198,37 @@ def test_evaluate_fused_unet_gives_the_same_rows(tiny_sd, tmp_path):
     assert rows["fused"]["model"] == rows["plain"]["model"] + "+qkv+channels_last"
     for key in ("fid", "clip_score", "prompt_accuracy"):
         assert float(rows["fused"][key]) == pytest.approx(float(rows["plain"][key]), rel=1e-4, abs=1e-4), key
+
+
+def test_quality_cost_callback_sweeps_accelerators(tiny_sd, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        "+exp=teacher", f"method.vae.pretrained_model_name_or_path={tiny_sd / 'vae'}",
+        f"method.conditioner.text_encoder.pretrained_model_name_or_path={tiny_sd / 'text_encoder'}",
+        f"method.conditioner.tokenizer.pretrained_model_name_or_path={tiny_sd / 'tokenizer'}",
+        "student.size=debug", "student.cross_attention_dim=32", "data.batch_size=8", "trainer.max_steps=2",
+        "trainer.limit_val_batches=1", "callbacks=[default,quality_cost]", "callbacks.quality_cost.every_n_steps=0",
+        "callbacks.quality_cost.steps=[6]", f"callbacks.quality_cost.teacher={tiny_sd}",
+        "callbacks.quality_cost.teacher_steps=[6]", "callbacks.quality_cost.num_per_class=1",
+        "callbacks.quality_cost.accelerators=[none,deepcache,forecast]", "callbacks.samples=null",
+        "sample_grid_seeds=0", "logger=csv", f"hydra.run.dir={run_dir}", env={"HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(run_dir / "quality_cost.csv")))
+    assert [(r["model"], r["accelerate"]) for r in rows] == [
+        (m + s, a) for m in ("teacher", "student") for s, a in (("", "none"), ("+deepcache", "deepcache"),
+                                                                ("+forecast", "forecast"))]
+    for model in ("teacher", "student"):
+        nfe = {r["accelerate"]: float(r["nfe"]) for r in rows if r["model"].startswith(model)}
+        flops = {r["accelerate"]: float(r["gflops_per_image"]) for r in rows if r["model"].startswith(model)}
+        assert nfe["deepcache"] == nfe["none"] and flops["deepcache"] < flops["none"]
+        assert nfe["forecast"] == nfe["none"] * 4 / 6  # real steps 0, 1, 3, 5 of 6
+    metrics = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
+    assert any(r.get("val/fid@ddim-6+forecast") for r in metrics)
+
+
+def test_an_unknown_accelerator_preset_fails_before_training(tmp_path):
+    proc = run_train("callbacks=[default,quality_cost]", "callbacks.quality_cost.accelerators=[none,warp]",
+                     "trainer.max_steps=1", "logger=csv", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "accelerator 'warp'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()

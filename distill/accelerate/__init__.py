@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from distill.accelerate.base import Accelerator, NoAccelerator, accelerated, disable, enable
+from distill.accelerate.base import Accelerator, NoAccelerator, accelerated, accelerated_unet, disable, enable
 from distill.accelerate.deepcache import DeepCache
 from distill.accelerate.forecast import Forecast
 
@@ -56,4 +56,4 @@ def preset(name: str, **context) -> Accelerator | None:
 
 
 __all__ = ["ACCELERATORS", "Accelerator", "DeepCache", "Forecast", "NoAccelerator", "accelerated",
-           "accelerator_options", "disable", "enable", "make_accelerator", "preset"]
+           "accelerated_unet", "accelerator_options", "disable", "enable", "make_accelerator", "preset"]

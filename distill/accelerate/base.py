@@ -113,6 +113,24 @@ def accelerated(pipe, accelerator: Accelerator | None) -> Iterator:
         disable(pipe)
 
 
+@contextlib.contextmanager
+def accelerated_unet(unet: torch.nn.Module, accelerator: Accelerator | None, num_inference_steps: int,
+                     scheduler: str | None = None) -> Iterator:
+    """``accelerator`` on ``unet`` for one trajectory of ``num_inference_steps`` (a sampling loop without a
+    pipeline, e.g. a training method's ``generate``); plain with None."""
+    if accelerator is None:
+        yield unet
+        return
+    if scheduler is not None:
+        accelerator.use_scheduler(scheduler)
+    accelerator.attach(unet)
+    try:
+        accelerator.reset(num_inference_steps)
+        yield unet
+    finally:
+        accelerator.detach()
+
+
 def output_tensor(out):
     """The sample tensor of a UNet call's output: a tensor, a tuple or a diffusers ``BaseOutput``."""
     if isinstance(out, torch.Tensor):

@@ -22,22 +22,28 @@ class MethodSampler:
 
     def __init__(self, method):
         self.method, self.unet = method, method.student
+        self.accelerator = None  # a training-free sampling accelerator (distill.accelerate) on the student
         # the guidance the student's intended call really uses (1 for a LoRA student that distilled it)
         defaults = method.call_defaults() if hasattr(method, "call_defaults") else {}
         self.default_guidance_scale = defaults.get("default_guidance_scale", method.sampling.get("guidance_scale"))
 
     @torch.no_grad()
     def __call__(self, captions, labels, scheduler, steps, guidance_scale, generator):
+        from distill.accelerate import accelerated_unet
+
         batch = {"caption": list(captions), "label": labels}
-        return self.method.generate(batch, generator, num_inference_steps=steps, guidance_scale=guidance_scale,
-                                    scheduler=scheduler)
+        with accelerated_unet(self.unet, self.accelerator, steps, scheduler):
+            return self.method.generate(batch, generator, num_inference_steps=steps, guidance_scale=guidance_scale,
+                                        scheduler=scheduler)
 
 
 class QualityCostCallback(L.Callback):
     """Every ``every_n_steps`` training steps and at the end of training.
 
     ``eval_set`` (``distill.metrics.eval_set.EvalSet``, the config group ``eval``) gives the prompts, the
-    reference and the measuring networks; ``num_per_class`` samples of each prompt are drawn. ``steps=None``
+    reference and the measuring networks; ``num_per_class`` samples of each prompt are drawn. ``accelerators``
+    (presets of ``conf/accelerate``, e.g. ``[none,deepcache]``) sweep training-free sampling accelerators on the
+    student and the teacher like schedulers, a row each (model ``student+<preset>``). ``steps=None``
     evaluates the method's own current step count (``pl_module.student_steps``, e.g. the round of progressive
     distillation); the Pareto plot then shows every evaluation so far. The teacher runs on the student's device
     in the student's dtype, so that its rows and the student's compare models, not devices.
@@ -58,7 +64,12 @@ class QualityCostCallback(L.Callback):
         seed: int = 0,
         measure_cost: bool = True,
         grid_seeds: int = 4,
+        accelerators: tuple[str, ...] = ("none",),
     ):
+        from distill.accelerate import accelerator_options
+
+        for name in accelerators:  # a bad preset fails when the callback is built, before any training
+            accelerator_options(name)
         self.eval_set = eval_set
         self.every_n_steps, self.schedulers = every_n_steps, list(schedulers)
         self.steps = list(steps) if steps is not None else None
@@ -67,6 +78,7 @@ class QualityCostCallback(L.Callback):
         self.teacher_guidance_scale = teacher_guidance_scale
         self.num_per_class, self.seed, self.measure_cost = num_per_class, seed, measure_cost
         self.grid_seeds = min(grid_seeds, num_per_class)
+        self.accelerators = list(accelerators)
         self.teacher_rows: list[dict] = []
         self.history: list[dict] = []
         self._evaluator = None
@@ -101,13 +113,27 @@ class QualityCostCallback(L.Callback):
         if guidance is None:
             guidance = pipeline_defaults(self.teacher).get("guidance_scale", 1.0)
         plan = [(name, steps) for name in self.teacher_schedulers for steps in self.teacher_steps]
-        self.teacher_rows = self._evaluator.sweep(
-            sampler, "teacher", plan, guidance, self.measure_cost,
-            on_row=lambda row, images: self._save_grid(self._trainer, images, f"teacher-{row['scheduler']}-{row['steps']}.png"))
+        self.teacher_rows = self._sweep(
+            sampler, "teacher", plan, guidance, lambda row: f"{row['model']}-{row['scheduler']}-{row['steps']}.png",
+            pipeline=self.teacher)
         del sampler
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return self.teacher_rows
+
+    def _sweep(self, sampler, model: str, plan: list, guidance, grid_name, pipeline: str | None = None) -> list[dict]:
+        """The evaluator's sweep of ``plan`` once per accelerator preset (plain first)."""
+        from distill.accelerate import preset
+
+        rows = []
+        for name in self.accelerators:
+            sampler.accelerator = preset(name, path=pipeline)
+            label = model if name == "none" else f"{model}+{name}"
+            rows += [dict(row, accelerate=name) for row in self._evaluator.sweep(
+                sampler, label, plan, guidance, self.measure_cost,
+                on_row=lambda row, images: self._save_grid(self._trainer, images, grid_name(row)))]
+        sampler.accelerator = None
+        return rows
 
     def _save_grid(self, trainer, images: torch.Tensor, name: str) -> None:
         """Rows = the evaluation set's first prompts, columns = seeds, in the run's samples/ folder."""
@@ -150,10 +176,8 @@ class QualityCostCallback(L.Callback):
         plan = [(name, steps) for name in self.schedulers
                 for steps in (self.steps if self.steps is not None else [pl_module.student_steps])]
         try:
-            rows = self._evaluator.sweep(
-                sampler, "student", plan, self.guidance_scale, self.measure_cost,
-                on_row=lambda row, images: self._save_grid(
-                    trainer, images, f"student-{row['scheduler']}-{row['steps']}_step_{step:07d}.png"))
+            rows = self._sweep(sampler, "student", plan, self.guidance_scale,
+                               lambda row: f"{row['model']}-{row['scheduler']}-{row['steps']}_step_{step:07d}.png")
         finally:
             if swap:
                 ema.swap_out(pl_module)
@@ -177,7 +201,7 @@ class QualityCostCallback(L.Callback):
 
         metrics = {}
         for r in rows:
-            tag = f"{r['scheduler']}-{r['steps']}"
+            tag = f"{r['scheduler']}-{r['steps']}" + (f"+{r['accelerate']}" if r.get("accelerate", "none") != "none" else "")
             for key in quality_columns() + ["latency_s"]:
                 if key in r:
                     metrics[f"val/{key}@{tag}"] = r[key]

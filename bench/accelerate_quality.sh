@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 16: quality and NFE of each training-free accelerator on the embedded default, one distill.evaluate run
+# each (500 samples, the metrics protocol): the teacher with DDIM 50 and DPM-Solver 20, the LCM student at 4 steps.
+# Latency side by side: bench/accelerate_latency.py. Table and plot: bench/compress_table.py (see docs/make_figures.sh).
+#   bash bench/accelerate_quality.sh OUT_DIR [LCM_EXPORT]
+set -uo pipefail
+OUT=${1:-outputs/accelerate}
+LCM=${2:-}
+PY=${PYTHON:-python}
+mkdir -p "$OUT"
+run() {  # label, overrides...: one evaluate run, skipped when its CSV exists (resumable)
+  local label=$1; shift
+  [ -f "$OUT/$label/quality_cost.csv" ] && return 0
+  $PY -m distill.evaluate grids=false model_name="$label" "$@" hydra.run.dir="$OUT/$label" > "$OUT/$label.log" 2>&1
+  echo "$label rc=$?" >> "$OUT/summary.txt"
+}
+[ -f "$OUT/fit/forecaster.json" ] || {
+  $PY -m distill.fit_forecaster scheduler=ddim steps=[50] out="$OUT/fit" > "$OUT/fit_ddim.log" 2>&1
+  $PY -m distill.fit_forecaster scheduler=dpmsolver steps=[20] out="$OUT/fit" > "$OUT/fit_dpm.log" 2>&1
+}
+for pair in "ddim 50" "dpmsolver 20"; do
+  set -- $pair
+  s=$1 n=$2
+  base=(scheduler=$s "steps=[$n]")
+  run "teacher-$s$n" "${base[@]}"
+  for N in 2 3 5; do
+    run "teacher-$s$n-deepcache$N" "${base[@]}" accelerate=deepcache accelerate.options.interval=$N
+  done
+  run "teacher-$s$n-deepcache5nu" "${base[@]}" accelerate=deepcache accelerate.options.interval=5 \
+    accelerate.options.schedule=nonuniform
+  for N in 2 3; do
+    run "teacher-$s$n-taylor$N" "${base[@]}" accelerate=forecast accelerate.options.interval=$N
+  done
+  run "teacher-$s$n-fitted2" "${base[@]}" accelerate=forecast_fitted accelerate.options.path="$OUT/fit"
+done
+if [ -n "$LCM" ]; then
+  run lcm4 pipeline="$LCM" scheduler=lcm "steps=[4]"
+  run lcm4-deepcache2 pipeline="$LCM" scheduler=lcm "steps=[4]" accelerate=deepcache accelerate.options.interval=2
+  run lcm4-taylor pipeline="$LCM" scheduler=lcm "steps=[4]" accelerate=forecast
+fi
