@@ -17,6 +17,14 @@ def tiny_sd(tmp_path_factory):
     return write_tiny_sd(tmp_path_factory.mktemp("sd") / "pipe")
 
 
+def tiny_teacher_run(tiny_sd) -> list[str]:
+    """Overrides of a short `+exp=teacher` training on the tiny SD world."""
+    return ["+exp=teacher", f"method.vae.pretrained_model_name_or_path={tiny_sd / 'vae'}",
+            f"method.conditioner.text_encoder.pretrained_model_name_or_path={tiny_sd / 'text_encoder'}",
+            f"method.conditioner.tokenizer.pretrained_model_name_or_path={tiny_sd / 'tokenizer'}",
+            "student.size=debug", "student.cross_attention_dim=32", "data.batch_size=8"]
+
+
 def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
     out = tmp_path / "eval"
     proc = subprocess.run(
@@ -134,10 +142,7 @@ def test_teacher_rows_run_on_the_students_device_and_dtype(tiny_sd, tmp_path):
 def test_quality_cost_callback_during_training(tiny_sd, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train(
-        "+exp=teacher", f"method.vae.pretrained_model_name_or_path={tiny_sd / 'vae'}",
-        f"method.conditioner.text_encoder.pretrained_model_name_or_path={tiny_sd / 'text_encoder'}",
-        f"method.conditioner.tokenizer.pretrained_model_name_or_path={tiny_sd / 'tokenizer'}",
-        "student.size=debug", "student.cross_attention_dim=32", "data.batch_size=8", "trainer.max_steps=4",
+        *tiny_teacher_run(tiny_sd), "trainer.max_steps=4",
         "trainer.val_check_interval=4", "trainer.limit_val_batches=1", "checkpoint.every_n_train_steps=4",
         "callbacks=[default,quality_cost]", "callbacks.quality_cost.every_n_steps=2",
         "callbacks.quality_cost.steps=[1,2]", f"callbacks.quality_cost.teacher={tiny_sd}",
@@ -203,10 +208,7 @@ def test_evaluate_fused_unet_gives_the_same_rows(tiny_sd, tmp_path):
 def test_quality_cost_callback_sweeps_accelerators(tiny_sd, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train(
-        "+exp=teacher", f"method.vae.pretrained_model_name_or_path={tiny_sd / 'vae'}",
-        f"method.conditioner.text_encoder.pretrained_model_name_or_path={tiny_sd / 'text_encoder'}",
-        f"method.conditioner.tokenizer.pretrained_model_name_or_path={tiny_sd / 'tokenizer'}",
-        "student.size=debug", "student.cross_attention_dim=32", "data.batch_size=8", "trainer.max_steps=2",
+        *tiny_teacher_run(tiny_sd), "trainer.max_steps=2",
         "trainer.limit_val_batches=1", "callbacks=[default,quality_cost]", "callbacks.quality_cost.every_n_steps=0",
         "callbacks.quality_cost.steps=[6]", f"callbacks.quality_cost.teacher={tiny_sd}",
         "callbacks.quality_cost.teacher_steps=[6]", "callbacks.quality_cost.num_per_class=1",

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from distill.accelerate.base import Accelerator, NoAccelerator, accelerated, accelerated_unet, disable, enable
+from distill.accelerate.base import (
+    Accelerator,
+    NoAccelerator,
+    accelerated,
+    accelerated_unet,
+    disable,
+    enable,
+)
 from distill.accelerate.deepcache import DeepCache
 from distill.accelerate.forecast import Forecast
 
