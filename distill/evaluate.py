@@ -109,6 +109,11 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
             save_grid(evaluator.grid(images, seeds), out_dir / "grids" / f"{model}-{row['scheduler']}-{row['steps']}.png",
                       seeds, evaluator.grid_prompts())
 
+    for _, make in accelerators:  # coefficients a fitted forecaster needs exist, before any sampling
+        check = getattr(make(pipeline=str(cfg.pipeline)), "check", None)
+        for name in names if check else []:
+            for n in steps:
+                check(name, n, guidance)
     rows = []
     for label, make in accelerators:
         sampler.accelerator = make(pipeline=str(cfg.pipeline))

@@ -76,7 +76,8 @@ def fit(cfg: DictConfig, run_dir: Path) -> Path:
     from distill.accelerate.forecast import Forecast, fit_forecaster, save_forecasters
     from distill.config.validate import missing_keys
     from distill.inference.loading import load_pipeline, pipeline_defaults
-    from distill.inference.schedulers import SCHEDULERS, make_scheduler, scheduler_options
+    from distill.inference.schedulers import SCHEDULERS, scheduler_options
+    from distill.metrics.quality_cost import PipelineSampler
 
     missing = missing_keys(cfg)
     if missing:
@@ -91,8 +92,8 @@ def fit(cfg: DictConfig, run_dir: Path) -> Path:
         raise ValueError(f"lags={cfg.lags} must be >= 1 (real outputs a prediction combines)")
     if cfg.num_per_class < 1:
         raise ValueError(f"num_per_class={cfg.num_per_class} must be >= 1")
-    options = {k: v for k, v in OmegaConf.to_container(cfg.accelerate.options).items() if k != "predictor"}
-    pattern = Forecast(predictor="fitted", **options)  # checks the pattern's options before anything is loaded
+    pattern_options = {k: v for k, v in OmegaConf.to_container(cfg.accelerate.options).items() if k != "predictor"}
+    pattern = Forecast(predictor="fitted", **pattern_options)  # checks the pattern before anything is loaded
     try:
         eval_set = instantiate(cfg.eval)
     except InstantiationException as err:
@@ -102,13 +103,15 @@ def fit(cfg: DictConfig, run_dir: Path) -> Path:
     pipe.set_progress_bar_config(disable=True)
     defaults = pipeline_defaults(cfg.pipeline)
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
-    pipe.scheduler = make_scheduler(name, pipe.scheduler.config, **(dict(cfg.scheduler.options) or
-                                                                     scheduler_options(name)))
+    # the scheduler as distill.evaluate builds it: an export's own scheduler class for its own name
+    options = dict(cfg.scheduler.options) or scheduler_options(name)
+    pipe.scheduler = PipelineSampler(pipe, {name: options}, own=defaults.get("name")).scheduler(name)
     fitted = []
     for steps in cfg.steps:
         inputs, outputs = record(pipe, prompts, steps, guidance, cfg.seed, cfg.batch_size)
         real = pattern.pattern(steps)
-        result = fit_forecaster(outputs, inputs, name, real, lags=cfg.lags, ridge=cfg.ridge)
+        result = fit_forecaster(outputs, inputs, name, real, lags=cfg.lags, ridge=cfg.ridge, guidance_scale=guidance,
+                                scheduler_class=type(pipe.scheduler).__name__)
         worst = max((f.residual for f in result.steps.values()), default=0.0)
         log.info("%s %d steps: %d real, %d predicted, fitted on %d trajectories; relative residual <= %.3f",
                  name, steps, len(real), len(result.steps), result.trajectories, worst)
@@ -116,8 +119,8 @@ def fit(cfg: DictConfig, run_dir: Path) -> Path:
     path = save_forecasters(output_folder(cfg, run_dir), fitted)
     print(f"forecaster saved to {path}; sample with: python -m distill.evaluate pipeline={cfg.pipeline} "
           f"accelerate=forecast_fitted accelerate.options.path={path.parent} scheduler={name} "
-          f"steps=[{','.join(map(str, cfg.steps))}]" + "".join(f" accelerate.options.{k}={v}" for k, v in options.items()
-                                                              if v is not None))
+          f"steps=[{','.join(map(str, cfg.steps))}] guidance_scale={guidance:g}" +
+          "".join(f" accelerate.options.{k}={v}" for k, v in pattern_options.items() if v is not None))
     return path
 
 

@@ -129,9 +129,14 @@ def test_cached_steps_run_only_the_shallow_branch_and_save_flops():
     accelerator.detach()
 
 
-def test_nonuniform_schedule_keeps_the_count_and_is_denser_at_the_centre():
+@pytest.mark.parametrize("n, interval, power", [(50, 5, 1.4), (50, 2, 1.4), (20, 3, 2.0), (7, 2, 1.2)])
+def test_nonuniform_schedule_keeps_the_count(n, interval, power):
+    steps = full_steps(n, interval, "nonuniform", power=power)
+    assert steps[0] == 0 and len(steps) == math.ceil(n / interval) and steps == sorted(set(steps))
+
+
+def test_nonuniform_schedule_is_denser_at_the_centre():
     steps = full_steps(50, 5, "nonuniform", center=0.5, power=1.4)
-    assert steps[0] == 0 and len(steps) == math.ceil(50 / 5) and steps == sorted(set(steps))
     gaps = [b - a for a, b in zip(steps, steps[1:])]
     assert min(gaps[len(gaps) // 2 - 1: len(gaps) // 2 + 1]) < max(gaps[0], gaps[-1])
     assert full_steps(50, 5) == list(range(0, 50, 5))
@@ -211,13 +216,24 @@ def test_every_accelerator_samples_with_each_scheduler_and_counts_only_computed_
             assert (images - plain).abs().mean() < 0.15  # close to, not equal to, plain sampling
 
 
-@pytest.mark.parametrize("which", ["timestep", "token"])
-def test_accelerators_run_on_moe_students(pipe, which):
+def test_heun_calls_twice_a_step_deepcache_counts_calls_and_forecast_refuses(pipe):
+    plain, calls = _sample(pipe, None, 6, "heun")
+    assert calls == 11  # 2 x 6 - 1
+    images, n = _sample(pipe, DeepCache(interval=2, schedule="nonuniform"), 6, "heun")
+    assert n == 11 and torch.isfinite(images).all() and (images - plain).abs().mean() < 0.15
+    with pytest.raises(ValueError, match="calls the UNet 11 times for 6 steps"):
+        _sample(pipe, Forecast(interval=2), 6, "heun")
+    assert "progress_bar" not in pipe.__dict__  # disabled after the failure too
+
+
+@pytest.mark.parametrize("which, shared", [("timestep", ()), ("timestep", ("conv_in", "down_blocks.0", "mid_block")),
+                                           ("token", ())])
+def test_accelerators_run_on_moe_students(pipe, which, shared):
     from distill.models.moe import timestep_moe_student, token_moe_student
 
     teacher = pipe.unet
-    student = (timestep_moe_student(teacher, num_experts=2, noise_scheduler=pipe.scheduler) if which == "timestep"
-               else token_moe_student(teacher, num_experts=2)).eval()
+    student = (timestep_moe_student(teacher, num_experts=2, noise_scheduler=pipe.scheduler, shared_layers=shared)
+               if which == "timestep" else token_moe_student(teacher, num_experts=2)).eval()
     pipe.unet = student
     try:
         plain, _ = _sample(pipe, None, 8, "ddim")
@@ -303,8 +319,10 @@ def test_fit_forecaster_cli_then_sampling_with_the_fitted_coefficients(tmp_path)
                            f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "forecaster.json").read_text())
-    assert list(data) == ["ddim/6/0,1,3,5"] and sorted(data["ddim/6/0,1,3,5"]["steps"]) == ["2", "4"]
-    assert all(s["residual"] < 0.5 for s in data["ddim/6/0,1,3,5"]["steps"].values())
+    key = "ddim/6/0,1,3,5/cfg3"  # the teacher's intended guidance scale, 3
+    assert list(data) == [key] and sorted(data[key]["steps"]) == ["2", "4"]
+    assert data[key]["scheduler_class"] == "DDIMScheduler"
+    assert all(s["residual"] < 0.5 for s in data[key]["steps"].values())
     proc = _evaluate(tmp_path, "accelerate=forecast_fitted", f"accelerate.options.path={out}", "steps=[6]",
                      "num_per_class=2", "cost_repeats=1", "grids=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -313,3 +331,4 @@ def test_fit_forecaster_cli_then_sampling_with_the_fitted_coefficients(tmp_path)
     proc = _evaluate(tmp_path / "b", "accelerate=forecast_fitted", f"accelerate.options.path={out}", "steps=[8]",
                      "num_per_class=1", "cost_repeats=1", "grids=false")
     assert proc.returncode == 2 and "no fitted forecaster for ddim/8/" in proc.stderr, proc.stderr[-2000:]
+    assert "quality-cost" not in proc.stderr  # refused before any sampling

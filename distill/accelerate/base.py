@@ -4,7 +4,9 @@ or until removed, a fresh state at the start of each pipeline call, and honest e
 An accelerator attaches to the denoiser (``attach(unet)``) through diffusers' hook registry, so the pipeline is
 still called as ``pipe(prompt, ...)``. ``accelerated(pipe, accelerator)`` attaches it for a ``with`` block;
 ``enable(pipe, accelerator)`` until ``disable(pipe)``. Each pipeline call opens its progress bar once before the
-first denoising step: that is where the accelerator's state is reset, so every call starts a new trajectory.
+first denoising step, after setting the scheduler's timesteps (one per UNet call): that is where the
+accelerator's state is reset, so every call starts a new trajectory. A pipeline without a progress bar cannot
+be accelerated this way; a sampling loop of one's own uses ``accelerated_unet``.
 
 A call of the UNet whose output was predicted instead of computed sets ``unet._distill_predicted``; the NFE
 counter (``distill.metrics.cost.NFECounter``) does not count it.
@@ -23,7 +25,8 @@ PREDICTED = "_distill_predicted"  # set on the UNet after a call whose output no
 
 class Accelerator:
     """Base class: ``attach`` / ``detach`` hooks on a UNet, ``reset`` before each trajectory of
-    ``num_inference_steps`` calls (None when unknown)."""
+    ``num_inference_steps`` steps that calls the UNet ``num_calls`` times (more than once a step for a
+    second-order scheduler such as Heun; None when unknown)."""
 
     name = "none"
 
@@ -33,14 +36,21 @@ class Accelerator:
     def detach(self) -> None:
         self.unet = None
 
-    def reset(self, num_inference_steps: int | None = None) -> None:
+    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None) -> None:
         self.num_inference_steps = num_inference_steps
+        self.num_calls = num_calls if num_calls is not None else num_inference_steps
 
     def describe(self) -> str:
         return self.name
 
-    def use_scheduler(self, name: str) -> None:
-        """The name of the scheduler the next calls sample with (what a fitted forecaster looks up)."""
+    def use_scheduler(self, name: str, guidance_scale: float | None = None) -> None:
+        """The scheduler (name) and guidance scale the next calls sample with (what a fitted forecaster looks up)."""
+
+    def use_pipeline(self, pipe) -> None:
+        """The pipeline the accelerator is enabled on (its scheduler, VAE: what classifier guidance needs)."""
+
+    def use_labels(self, labels: torch.Tensor | None) -> None:
+        """The class label of each prompt of the next calls (-1: none), for guidance by a classifier."""
 
 
 class NoAccelerator(Accelerator):
@@ -72,7 +82,9 @@ def _reset_on_call(pipe, accelerator: Accelerator):
     original = pipe.progress_bar
 
     def progress_bar(iterable=None, total=None):
-        accelerator.reset(total if total is not None else (len(iterable) if iterable is not None else None))
+        steps = total if total is not None else (len(iterable) if iterable is not None else None)
+        timesteps = getattr(pipe.scheduler, "timesteps", None)  # set before the loop: one entry per UNet call
+        accelerator.reset(steps, len(timesteps) if timesteps is not None else steps)
         return original(iterable=iterable, total=total)
 
     return original, progress_bar
@@ -81,6 +93,7 @@ def _reset_on_call(pipe, accelerator: Accelerator):
 def enable(pipe, accelerator: Accelerator):
     """``accelerator`` on ``pipe`` until ``disable(pipe)``: every later ``pipe(...)`` call samples with it."""
     disable(pipe)
+    accelerator.use_pipeline(pipe)
     accelerator.attach(pipe.unet)
     accelerator.reset()
     own = pipe.__dict__.get("progress_bar")  # an instance override of the class's method, kept
@@ -115,14 +128,14 @@ def accelerated(pipe, accelerator: Accelerator | None) -> Iterator:
 
 @contextlib.contextmanager
 def accelerated_unet(unet: torch.nn.Module, accelerator: Accelerator | None, num_inference_steps: int,
-                     scheduler: str | None = None) -> Iterator:
+                     scheduler: str | None = None, guidance_scale: float | None = None) -> Iterator:
     """``accelerator`` on ``unet`` for one trajectory of ``num_inference_steps`` (a sampling loop without a
     pipeline, e.g. a training method's ``generate``); plain with None."""
     if accelerator is None:
         yield unet
         return
     if scheduler is not None:
-        accelerator.use_scheduler(scheduler)
+        accelerator.use_scheduler(scheduler, guidance_scale)
     accelerator.attach(unet)
     try:
         accelerator.reset(num_inference_steps)

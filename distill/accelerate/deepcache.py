@@ -13,7 +13,9 @@ Schedules over the ``T`` steps of a call: ``uniform`` runs the full UNet every `
 growing as the ``power`` of the distance (the paper's non-uniform 1:N strategy, for large intervals).
 
 Every UNet inside the denoiser (one for a plain or compressed UNet, one per expert of a timestep MoE) keeps its
-own cache and counts its own calls; a call whose batch or dtype differs from the cached one runs in full. The
+own cache (layers shared by experts included); the calls are counted once, at the denoiser, over a trajectory of
+as many calls as the scheduler has timesteps (a second-order scheduler calls twice a step); a UNet's first call,
+or one whose batch or dtype differs from the cached one, runs in full. The
 package ``DeepCache`` (0.1.1) patches a pipeline's ``unet.down_blocks`` the same way but needs the UNet at
 ``pipe.unet`` (no MoE), finds the step by ``scheduler.timesteps.index(t)`` (wrong where a scheduler repeats a
 timestep) and implements its non-uniform schedule only in pipelines copied from diffusers 0.24; the tests check
@@ -22,6 +24,7 @@ this implementation against its ``DeepCacheSDHelper`` on a Stable Diffusion layo
 
 from __future__ import annotations
 
+import functools
 import math
 
 from torch import nn
@@ -75,18 +78,24 @@ def branch_layers(unet: nn.Module) -> tuple[list[tuple[str, nn.Module, float]], 
 
 def full_steps(num_steps: int, interval: int, schedule: str = "uniform", center: float = 0.5,
                power: float = 1.4) -> list[int]:
-    """The steps (of ``num_steps``) on which the whole UNet runs; always step 0."""
+    """The steps (of ``num_steps``) on which the whole UNet runs; always step 0. The non-uniform schedule has
+    as many as the uniform one: where rounding merges two steps, the power is lowered (towards even spacing)
+    until none merge."""
     if schedule == "uniform" or num_steps <= 2:
         return list(range(0, num_steps, interval))
     count = math.ceil(num_steps / interval)
     c = center * (num_steps - 1)
-    # uniform in u, mapped by |u|^power: dense where u is near 0 (the centre), sparse towards both ends
-    lo, hi = -c ** (1 / power), (num_steps - 1 - c) ** (1 / power)
-    picked = {0}
-    for i in range(count):
-        u = lo + (hi - lo) * i / max(count - 1, 1)
-        picked.add(min(num_steps - 1, max(0, round(c + math.copysign(abs(u) ** power, u)))))
-    return sorted(picked)
+    p = power
+    while True:
+        # uniform in u, mapped by |u|^p: dense where u is near 0 (the centre), sparse towards both ends
+        lo, hi = -c ** (1 / p), (num_steps - 1 - c) ** (1 / p)
+        picked = {0}
+        for i in range(count):
+            u = lo + (hi - lo) * i / max(count - 1, 1)
+            picked.add(min(num_steps - 1, max(0, round(c + math.copysign(abs(u) ** p, u)))))
+        if len(picked) >= count or p <= 1.0:
+            return sorted(picked)
+        p = max(1.0, p - 0.02)
 
 
 class _UNetCache:
@@ -99,36 +108,37 @@ class _UNetCache:
                              f"(0..{skips - 1}); use a smaller branch")
         self.unet, self.owner = unet, owner
         self.deep = [(name, m) for name, m, depth in layers if depth > branch]
-        self.calls, self.full, self.key = 0, True, None
+        self.full, self.key = True, None
         self.outputs: dict[str, object] = {}
         add_hook(unet, HOOK, self._unet_call)
-        for name, module in self.deep:
-            add_hook(module, HOOK, lambda forward, *a, _name=name, **k: self._layer_call(_name, forward, *a, **k))
 
     def _unet_call(self, forward, *args, **kwargs):
         sample = args[0] if args else kwargs["sample"]
         key = (tuple(sample.shape), sample.dtype, sample.device)
-        self.full = self.key != key or self.owner.is_full(self.calls)
+        # a new batch shape, or a first call (e.g. an expert that starts mid-trajectory) runs in full
+        self.full = self.key != key or self.owner.is_full(self.owner.step)
         if self.full:
             self.outputs.clear()
-        self.key, self.calls = key, self.calls + 1
-        return forward(*args, **kwargs)
+        self.key = key
+        previous, self.owner.active = self.owner.active, self
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.owner.active = previous
 
-    def _layer_call(self, name, forward, *args, **kwargs):
-        if not self.full and name in self.outputs:
-            return self.outputs[name]
+    def layer_call(self, module_id: int, forward, *args, **kwargs):
+        if not self.full and module_id in self.outputs:
+            return self.outputs[module_id]
         out = forward(*args, **kwargs)
-        self.outputs[name] = out
+        self.outputs[module_id] = out
         return out
 
     def reset(self) -> None:
-        self.calls, self.full, self.key = 0, True, None
+        self.full, self.key = True, None
         self.outputs.clear()
 
     def remove(self) -> None:
         remove_hook(self.unet, HOOK)
-        for _, module in self.deep:
-            remove_hook(module, HOOK)
 
 
 class DeepCache(Accelerator):
@@ -152,7 +162,10 @@ class DeepCache(Accelerator):
             raise ValueError(f"accelerate.options.power={power} must be >= 1 (1 = evenly spaced)")
         self.interval, self.branch, self.schedule, self.center, self.power = interval, branch, schedule, center, power
         self.caches: list[_UNetCache] = []
-        self.num_inference_steps, self._full = None, None
+        self.layers: list[nn.Module] = []  # each deep layer once, though experts may share it
+        self.active: _UNetCache | None = None  # the UNet whose call is running
+        self.num_inference_steps, self.num_calls, self._full, self.step = None, None, None, -1
+        self._step_handle = None
 
     def describe(self) -> str:
         extra = "" if self.schedule == "uniform" else f",{self.schedule}"
@@ -170,21 +183,43 @@ class DeepCache(Accelerator):
         except ValueError:
             self.detach()
             raise
+        seen = {}
+        for cache in self.caches:
+            for _, module in cache.deep:
+                seen.setdefault(id(module), module)
+        self.layers = list(seen.values())
+        for module in self.layers:  # one hook per module, answering for whichever UNet is running
+            add_hook(module, HOOK, functools.partial(self._layer_call, id(module)))
+        # the step is counted once, at the denoiser (an MoE's experts share it), before any hook of its forward
+        self._step_handle = unet.register_forward_pre_hook(lambda m, a: self._count())
         super().attach(unet)
+
+    def _count(self) -> None:
+        self.step += 1
+
+    def _layer_call(self, module_id: int, forward, *args, **kwargs):
+        if self.active is None:  # called outside a hooked UNet's forward: plain
+            return forward(*args, **kwargs)
+        return self.active.layer_call(module_id, forward, *args, **kwargs)
 
     def detach(self) -> None:
         for cache in self.caches:
             cache.remove()
-        self.caches = []
+        for module in self.layers:
+            remove_hook(module, HOOK)
+        if self._step_handle is not None:
+            self._step_handle.remove()
+        self.caches, self.layers, self._step_handle, self.active = [], [], None, None
         super().detach()
 
-    def reset(self, num_inference_steps: int | None = None) -> None:
-        super().reset(num_inference_steps)
-        self._full = (set(full_steps(num_inference_steps, self.interval, self.schedule, self.center, self.power))
-                      if num_inference_steps and self.schedule != "uniform" else None)
+    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None) -> None:
+        super().reset(num_inference_steps, num_calls)
+        self._full = (set(full_steps(self.num_calls, self.interval, self.schedule, self.center, self.power))
+                      if self.num_calls and self.schedule != "uniform" else None)
+        self.step = -1
         for cache in self.caches:
             cache.reset()
 
     def is_full(self, call: int) -> bool:
-        """Whether a UNet's ``call``-th call since the reset runs in full."""
+        """Whether the denoiser's ``call``-th call since the reset runs in full."""
         return call in self._full if self._full is not None else call % self.interval == 0

@@ -61,17 +61,20 @@ class StepFit:
 
 @dataclass
 class FittedForecaster:
-    """Fitted coefficients for one (scheduler, steps, pattern)."""
+    """Fitted coefficients for one (scheduler, steps, pattern, guidance scale); ``scheduler_class`` is the class
+    the trajectories were recorded with (its timestep grid is what the coefficients know)."""
     scheduler: str
     num_steps: int
     real: list[int]
+    guidance_scale: float = 1.0
+    scheduler_class: str | None = None
     steps: dict[int, StepFit] = field(default_factory=dict)
     ridge: float = 1e-4
     trajectories: int = 0
 
     @property
     def key(self) -> str:
-        return forecaster_key(self.scheduler, self.num_steps, self.real)
+        return forecaster_key(self.scheduler, self.num_steps, self.real, self.guidance_scale)
 
     def predict(self, step: int, history: list[tuple[int, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
         fit = self.steps[step]
@@ -82,8 +85,8 @@ class FittedForecaster:
         return pred
 
 
-def forecaster_key(scheduler: str, num_steps: int, real: Sequence[int]) -> str:
-    return f"{scheduler}/{num_steps}/" + ",".join(map(str, real))
+def forecaster_key(scheduler: str, num_steps: int, real: Sequence[int], guidance_scale: float | None = 1.0) -> str:
+    return f"{scheduler}/{num_steps}/" + ",".join(map(str, real)) + f"/cfg{float(guidance_scale or 1.0):g}"
 
 
 def fit_step(outputs: torch.Tensor, inputs: torch.Tensor, step: int, lags: list[int], ridge: float) -> StepFit:
@@ -99,7 +102,8 @@ def fit_step(outputs: torch.Tensor, inputs: torch.Tensor, step: int, lags: list[
 
 
 def fit_forecaster(outputs: torch.Tensor, inputs: torch.Tensor, scheduler: str, real: Sequence[int], lags: int = 2,
-                   ridge: float = 1e-4) -> FittedForecaster:
+                   ridge: float = 1e-4, guidance_scale: float = 1.0, scheduler_class: str | None = None
+                   ) -> FittedForecaster:
     """Fit every predicted step of pattern ``real`` on recorded trajectories (outputs and inputs, (n, steps, ...))."""
     if outputs.shape[:2] != inputs.shape[:2]:
         raise ValueError(f"outputs {tuple(outputs.shape)} and inputs {tuple(inputs.shape)} must be recorded "
@@ -107,7 +111,8 @@ def fit_forecaster(outputs: torch.Tensor, inputs: torch.Tensor, scheduler: str, 
     if lags < 1:
         raise ValueError(f"lags={lags} must be >= 1 (real outputs a prediction combines)")
     num_steps, real = outputs.shape[1], sorted(real)
-    fitted = FittedForecaster(scheduler, num_steps, list(real), ridge=ridge, trajectories=outputs.shape[0])
+    fitted = FittedForecaster(scheduler, num_steps, list(real), float(guidance_scale or 1.0), scheduler_class,
+                              ridge=ridge, trajectories=outputs.shape[0])
     for step in range(num_steps):
         if step in real:
             continue
@@ -127,15 +132,16 @@ def save_forecasters(folder: str | Path, forecasters: Sequence[FittedForecaster]
     return path
 
 
-def load_forecaster(folder: str | Path, scheduler: str, num_steps: int, real: Sequence[int]) -> FittedForecaster:
+def load_forecaster(folder: str | Path, scheduler: str, num_steps: int, real: Sequence[int],
+                    guidance_scale: float | None = 1.0) -> FittedForecaster:
     path = Path(folder) / FILE
-    key = forecaster_key(scheduler, num_steps, real)
+    key = forecaster_key(scheduler, num_steps, real, guidance_scale)
     data = json.loads(path.read_text()) if path.is_file() else {}
     if key not in data:
         raise FileNotFoundError(
             f"no fitted forecaster for {key} in {path}" + (f" (it has {sorted(data)})" if data else "") +
             f"; fit one: python -m distill.fit_forecaster pipeline={Path(folder)} scheduler={scheduler} "
-            f"steps={num_steps} ...")
+            f"steps=[{num_steps}] guidance_scale={float(guidance_scale or 1.0):g} ...")
     raw = data[key]
     steps = {int(k): StepFit(**v) for k, v in raw.pop("steps").items()}
     return FittedForecaster(**raw, steps=steps)
@@ -150,18 +156,19 @@ class Forecast(Accelerator):
 
     def __init__(self, predictor: str = "taylor", interval: int = 2, warmup: int = 2, last: int = 1,
                  steps: list[int] | None = None, order: int = 1, path: str | None = None,
-                 scheduler: str | None = None):
+                 scheduler: str | None = None, guidance_scale: float | None = None):
         if predictor not in PREDICTORS:
             raise ValueError(f"accelerate.options.predictor={predictor!r} is not one of {list(PREDICTORS)}")
         for key, value, low in (("interval", interval, 1), ("warmup", warmup, 1), ("last", last, 0), ("order", order, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"accelerate.options.{key}={value!r} must be an integer >= {low}")
-        if predictor == "taylor" and warmup < order + 1:
+        if predictor == "taylor" and steps is None and warmup < order + 1:
             raise ValueError(f"accelerate.options.warmup={warmup} is below order + 1 = {order + 1}: a Taylor "
                              "forecast of that order needs as many real steps first")
         self.predictor, self.interval, self.warmup, self.last = predictor, interval, warmup, last
         self.steps, self.order, self.path, self.scheduler = steps, order, path, scheduler
-        self._given_scheduler = scheduler
+        self._given_scheduler, self.guidance_scale, self._given_guidance = scheduler, guidance_scale, guidance_scale
+        self.pipe = None
         self.fitted: FittedForecaster | None = None
         self.num_inference_steps, self.real = None, None
         self.history: list[tuple[int, torch.Tensor]] = []
@@ -172,8 +179,21 @@ class Forecast(Accelerator):
         pattern = f"steps={list(self.steps)}" if self.steps is not None else f"N={self.interval}"
         return f"forecast({self.predictor}{self.order if self.predictor == 'taylor' else ''},{pattern})"
 
-    def use_scheduler(self, name: str) -> None:
+    def use_scheduler(self, name: str, guidance_scale: float | None = None) -> None:
         self.scheduler = self._given_scheduler or name
+        self.guidance_scale = self._given_guidance if self._given_guidance is not None else guidance_scale
+
+    def use_pipeline(self, pipe) -> None:
+        self.pipe = pipe
+
+    def check(self, scheduler: str, num_steps: int, guidance_scale: float | None) -> None:
+        """Fail now if a fitted forecaster has no coefficients for this call (before any sampling)."""
+        if self.predictor == "fitted":
+            if self.path is None:
+                raise ValueError("accelerate.options.predictor=fitted needs the forecaster's folder: set "
+                                 "accelerate.options.path=... (distill.evaluate passes the pipeline's)")
+            load_forecaster(self.path, self._given_scheduler or scheduler, num_steps, self.pattern(num_steps),
+                            self._given_guidance if self._given_guidance is not None else guidance_scale)
 
     def pattern(self, num_steps: int) -> list[int]:
         return real_steps(num_steps, self.interval, self.warmup, self.last, self.steps)
@@ -189,23 +209,33 @@ class Forecast(Accelerator):
             self.unet.__dict__.pop(PREDICTED, None)
         super().detach()
 
-    def reset(self, num_inference_steps: int | None = None) -> None:
-        super().reset(num_inference_steps)
+    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None) -> None:
+        super().reset(num_inference_steps, num_calls)
+        if num_inference_steps and self.num_calls != num_inference_steps:
+            raise ValueError(f"accelerate=forecast predicts whole steps, but the scheduler calls the UNet "
+                             f"{self.num_calls} times for {num_inference_steps} steps (a second-order scheduler such "
+                             "as heun); use a first-order or multistep one")
         self.real = set(self.pattern(num_inference_steps)) if num_inference_steps else None
         self.history, self.calls, self.key = [], 0, None
-        self.taylor = TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=self.order)
+        self.taylor = (TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=self.order)
+                       if self.predictor == "taylor" else None)
         if self.predictor == "fitted" and num_inference_steps:
             if self.path is None or self.scheduler is None:
                 raise ValueError("accelerate.options.predictor=fitted needs the forecaster's folder and scheduler "
                                  "(distill.evaluate passes the pipeline's; set accelerate.options.path=...)")
-            self.fitted = load_forecaster(self.path, self.scheduler, num_inference_steps, sorted(self.real))
+            self.fitted = load_forecaster(self.path, self.scheduler, num_inference_steps, sorted(self.real),
+                                          self.guidance_scale)
+            used = type(self.pipe.scheduler).__name__ if self.pipe is not None else None
+            if used is not None and self.fitted.scheduler_class not in (None, used):
+                raise ValueError(f"the forecaster for {self.fitted.key} was fitted on {self.fitted.scheduler_class} "
+                                 f"trajectories, but the pipeline samples with {used}; fit it again for this one")
 
     def _call(self, forward, *args, **kwargs):
         sample = args[0] if args else kwargs["sample"]
         key = (tuple(sample.shape), sample.dtype)
         step, self.calls = self.calls, self.calls + 1
-        predict = (self.real is not None and step not in self.real and self.key == key and
-                   len(self.history) >= (1 if self.predictor == "fitted" else self.order + 1))
+        # after a real call of the same batch (TaylorSeer lowers the order while fewer real outputs exist)
+        predict = self.real is not None and step not in self.real and self.key == key
         if predict:
             if self.predictor == "taylor":
                 self.taylor.current_step = step
@@ -218,14 +248,11 @@ class Forecast(Accelerator):
         out = forward(*args, **kwargs)
         self.key, self._template = key, out
         tensor = output_tensor(out).detach()
-        self.history = (self.history + [(step, tensor)])[-8:]
-        if self.taylor is not None:
+        if self.predictor == "fitted":
+            self.history.append((step, tensor))  # the real outputs of this trajectory (what the lags index)
+        else:
             self.taylor.current_step = step
             self.taylor.update((tensor,))
         return out
 
-
-def predicted_fraction(num_steps: int, **pattern) -> float:
-    """The fraction of network evaluations a pattern saves."""
-    return 1.0 - len(real_steps(num_steps, **pattern)) / num_steps if num_steps else 0.0
 

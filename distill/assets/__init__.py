@@ -1,11 +1,12 @@
-"""The shipped digits world: classifier (FID features), VAE, CLIP and teacher, each rebuilt by `make assets`."""
+"""The shipped digits world: classifier (FID features), VAE, CLIP, teacher and the noise-aware classifier that
+guides sampling, each rebuilt by `make assets`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 ASSET_ROOT = Path(__file__).parent / "digits"
-ASSET_NAMES = ("classifier", "vae", "clip", "teacher")
+ASSET_NAMES = ("classifier", "vae", "clip", "teacher", "noisy_classifier")
 
 
 def asset_path(name: str) -> Path:

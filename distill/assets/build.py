@@ -2,7 +2,8 @@
 
     python -m distill.assets.build [classifier vae clip teacher] [--seed 0]
 
-Order matters: the VAE is judged by the classifier, the teacher needs the VAE and CLIP. The previous
+Order matters: the VAE is judged by the classifier, the teacher needs the VAE and CLIP, the noise-aware
+classifier (the guide of classifier guidance) the VAE and the teacher's noise schedule. The previous
 asset stays in place until the new one has been trained and copied completely. Next to the weights,
 PROVENANCE.json records the command, seed, git revision, wall time and the final validation metrics.
 """
@@ -21,7 +22,8 @@ from pathlib import Path
 
 from distill.assets import ASSET_NAMES, ASSET_ROOT
 
-EXPERIMENTS = {"classifier": "asset_classifier", "vae": "asset_vae", "clip": "asset_clip", "teacher": "teacher"}
+EXPERIMENTS = {"classifier": "asset_classifier", "vae": "asset_vae", "clip": "asset_clip", "teacher": "teacher",
+               "noisy_classifier": "asset_noisy_classifier"}
 
 
 def git_revision() -> str:

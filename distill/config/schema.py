@@ -55,6 +55,8 @@ DiffusionMethodConfig = builds(
 CLIPMethodConfig = builds("CLIPMethodConfig", "distill.assets.clip.CLIPTraining", exclude=_BUILT)
 ClassifierMethodConfig = builds("ClassifierMethodConfig", "distill.assets.classifier.ClassifierTraining",
                                 exclude=_BUILT)
+NoisyClassifierMethodConfig = builds("NoisyClassifierMethodConfig",
+                                     "distill.assets.noisy_classifier.NoisyClassifierTraining", exclude=_BUILT)
 VAEMethodConfig = builds("VAEMethodConfig", "distill.assets.autoencoder.VAETraining", exclude=_BUILT,
                          choices={"recon_loss": ReconLoss})
 ConsistencyMethodConfig = builds(
@@ -98,6 +100,8 @@ DigitClassifierConfig = builds(  # plain lists: the hub mixin writes the init ar
     "DigitClassifierConfig", "distill.models.classifier.build_digit_classifier",
     kwargs_of="distill.models.classifier.DigitClassifier", convert="all")
 VAEStudentConfig = builds("VAEStudentConfig", "distill.models.vae.build_vae")
+NoisyClassifierStudentConfig = builds("NoisyClassifierStudentConfig",
+                                      "distill.models.noisy_classifier.build_noisy_classifier", convert="all")
 
 # ---------------------------------------------------------------- sampling scheduler
 
@@ -278,14 +282,15 @@ SCHEMAS: dict[str, dict[str, type]] = {
                   "progress": ProgressBarCallbackConfig, "lr_monitor": LRMonitorCallbackConfig},
     "logger": {"csv": CSVLoggerConfig, "tensorboard": TensorBoardLoggerConfig, "wandb": WandbLoggerConfig},
     "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
-    "method": {"clip": CLIPMethodConfig, "diffusion": DiffusionMethodConfig, "classifier": ClassifierMethodConfig,
+    "method": {"clip": CLIPMethodConfig, "diffusion": DiffusionMethodConfig, "classifier": ClassifierMethodConfig, "noisy_classifier": NoisyClassifierMethodConfig,
                "vae": VAEMethodConfig, "consistency": ConsistencyMethodConfig,
                "progressive": ProgressiveMethodConfig, "feature_distillation": FeatureDistillationMethodConfig},
     "teacher": {"teacher": TeacherConfig},
     "student": {"copy": CopyStudentConfig, "lora": LoraStudentConfig, "moe_timestep": TimestepMoEStudentConfig,
                 "moe_token": TokenMoEStudentConfig, "lowrank": LowRankStudentConfig,
                 "pruned": PrunedStudentConfig, "pretrained": PretrainedStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
-                "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig},
+                "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig,
+                "noisy_classifier": NoisyClassifierStudentConfig},
     "scheduler": {"scheduler": SchedulerConfig},
     "accelerate": {"accelerate": AccelerateConfig},
     "eval": {"eval": EvalConfig},

@@ -124,9 +124,12 @@ class DistillClassPipeline(DiffusionPipeline):
         shape = (len(labels), c.in_channels, c.sample_size, c.sample_size)
         noise = randn_tensor(shape, generator=generator, device=self.device, dtype=self.unet.dtype)
         null = torch.full_like(labels, self.num_classes)
-        x0 = sample(self._denoise, self.scheduler, noise, {"class_labels": labels}, {"class_labels": null},
-                    self.config.default_guidance_scale if guidance_scale is None else guidance_scale,
-                    num_inference_steps or self.config.default_num_inference_steps, generator)
+        steps = num_inference_steps or self.config.default_num_inference_steps
+        self.scheduler.set_timesteps(steps, device=self.device)
+        with self.progress_bar(total=steps):  # opened once before the first step, as diffusers' pipelines do
+            x0 = sample(self._denoise, self.scheduler, noise, {"class_labels": labels}, {"class_labels": null},
+                        self.config.default_guidance_scale if guidance_scale is None else guidance_scale, steps,
+                        generator)
         if self.vae is not None:
             x0 = self.vae.decode(x0 / self.vae.config.scaling_factor).sample
         images = self.image_processor.postprocess(x0, output_type=output_type)
