@@ -332,3 +332,95 @@ def test_fit_forecaster_cli_then_sampling_with_the_fitted_coefficients(tmp_path)
                      "num_per_class=1", "cost_repeats=1", "grids=false")
     assert proc.returncode == 2 and "no fitted forecaster for ddim/8/" in proc.stderr, proc.stderr[-2000:]
     assert "quality-cost" not in proc.stderr  # refused before any sampling
+
+
+# ---------------------------------------------------------------- classifier guidance
+
+
+@pytest.fixture(scope="module")
+def tiny_guide(tmp_path_factory):
+    """A randomly initialised noise-aware classifier of the teacher's 4x8x8 latents, saved as a folder."""
+    from distill.models.noisy_classifier import NoisyLatentClassifier
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("guide")
+    NoisyLatentClassifier(channels=(16, 32), time_dim=32, groups=4).save_pretrained(folder)
+    return folder
+
+
+def _log_prob(guidance, x, t, labels, eps=None):
+    with torch.no_grad():
+        if guidance.mode == "noisy":
+            logits = guidance.classifier(x, torch.full((len(x),), t))
+        else:
+            abar = guidance._abar(t, x)
+            x0 = (x - (1 - abar).sqrt() * eps) / abar.sqrt()
+            images = guidance.vae.decode(x0 / guidance.vae.config.scaling_factor).sample
+            logits = guidance.classifier(images)
+        return torch.log_softmax(logits.double(), 1).gather(1, labels.view(-1, 1)).sum()
+
+
+@pytest.mark.parametrize("mode", ["noisy", "x0"])
+def test_guidance_gradient_equals_a_finite_difference(pipe, tiny_guide, mode):
+    from distill.accelerate import ClassifierGuidance
+
+    import copy
+
+    guidance = ClassifierGuidance(mode=mode, classifier=str(tiny_guide) if mode == "noisy" else None)
+    guidance.use_pipeline(pipe)
+    guidance.attach(pipe.unet)
+    guidance.detach()
+    guidance.classifier.double()  # float64 throughout: the finite difference then resolves the gradient
+    guidance.vae = copy.deepcopy(pipe.vae).double()
+    generator = torch.Generator().manual_seed(0)
+    x, eps = torch.randn(2, 4, 8, 8, generator=generator).double(), torch.randn(2, 4, 8, 8, generator=generator).double()
+    labels, t = torch.tensor([3, 7]), 400
+    grad = guidance.gradient(x, t, labels, eps)
+    for _ in range(3):
+        v = torch.randn(x.shape, generator=generator).double()
+        h = 1e-5
+        # x0 mode holds eps fixed: the finite difference moves x alone, as the gradient assumes
+        fd = (_log_prob(guidance, x + h * v, t, labels, eps) - _log_prob(guidance, x - h * v, t, labels, eps)) / (2 * h)
+        assert float((grad * v).sum()) == pytest.approx(float(fd), rel=1e-5, abs=1e-8)
+
+
+def test_guided_noise_prediction_is_the_papers_formula_and_scale_0_is_unguided(pipe, tiny_guide):
+    from distill.accelerate import ClassifierGuidance
+
+    unet, generator = pipe.unet, torch.Generator().manual_seed(1)
+    x, t = torch.randn(4, 4, 8, 8, generator=generator), torch.tensor(600)
+    text = torch.randn(4, 16, unet.config.cross_attention_dim, generator=generator)
+    with torch.no_grad():
+        plain = unet(x, t, encoder_hidden_states=text).sample
+    guidance = ClassifierGuidance(scale=2.5, classifier=str(tiny_guide))
+    guidance.use_pipeline(pipe)
+    guidance.use_labels(torch.tensor([5, -1]))  # two prompts, batch doubled by CFG; the second unlabelled
+    guidance.attach(unet)
+    with torch.no_grad():
+        guided = unet(x, t, encoder_hidden_states=text).sample
+    guidance.detach()
+    labels = torch.tensor([5, 0, 5, 0])
+    grad = guidance.gradient(x, 600, labels)
+    abar = pipe.scheduler.alphas_cumprod[600]
+    expected = plain - (1 - abar).sqrt() * 2.5 * grad * torch.tensor([1.0, 0, 1, 0]).view(-1, 1, 1, 1)
+    assert torch.allclose(guided, expected, atol=1e-6) and torch.equal(guided[1], plain[1])
+    zero = ClassifierGuidance(scale=0.0, classifier=str(tiny_guide), labels=[3, 7])
+    assert torch.equal(_sample(pipe, zero, 6, "ddim")[0], _sample(pipe, None, 6, "ddim")[0])
+
+
+def test_a_guide_that_does_not_fit_the_latents_is_refused(pipe, tmp_path):
+    from distill.accelerate import ClassifierGuidance
+    from distill.models.noisy_classifier import NoisyLatentClassifier
+
+    NoisyLatentClassifier(in_channels=3, sample_size=8, channels=(8,), time_dim=8, groups=4).save_pretrained(tmp_path)
+    guidance = ClassifierGuidance(classifier=str(tmp_path))
+    guidance.use_pipeline(pipe)
+    with pytest.raises(ValueError, match="accelerate.options.classifier: the guide takes 3x8x8"):
+        guidance.attach(pipe.unet)
+    with pytest.raises(ValueError, match="accelerate.options.scale=-1"):
+        ClassifierGuidance(scale=-1)
+    with pytest.raises(FileNotFoundError, match="accelerate.options.classifier="):
+        ClassifierGuidance(classifier=str(tmp_path / "none")).attach(pipe.unet)
+    proc = _evaluate(tmp_path / "cli", "accelerate=classifier", f"accelerate.options.classifier={tmp_path}",
+                     "steps=[2]", "num_per_class=1")
+    assert proc.returncode == 2 and "the guide takes 3x8x8" in proc.stderr, proc.stderr[-2000:]

@@ -1,5 +1,6 @@
 """Training-free sampling accelerators for any diffusers pipeline and any UNet (teacher or student): feature
-caching (DeepCache) and step forecasting (Taylor or fitted), each a sampling option that ``distill.evaluate``
+caching (DeepCache), step forecasting (Taylor or fitted) and classifier guidance (instead of or on top of
+classifier-free guidance), each a sampling option that ``distill.evaluate``
 and the quality-cost callback sweep like schedulers (``accelerate=deepcache`` or ``accelerators=[none,...]``).
 
     from distill.accelerate import DeepCache, accelerated
@@ -23,8 +24,10 @@ from distill.accelerate.base import (
 )
 from distill.accelerate.deepcache import DeepCache
 from distill.accelerate.forecast import Forecast
+from distill.accelerate.guidance import ClassifierGuidance
 
-ACCELERATORS: dict[str, type[Accelerator]] = {"none": NoAccelerator, "deepcache": DeepCache, "forecast": Forecast}
+ACCELERATORS: dict[str, type[Accelerator]] = {"none": NoAccelerator, "deepcache": DeepCache, "forecast": Forecast,
+                                               "classifier": ClassifierGuidance}
 ACCELERATE_CONF = Path(__file__).resolve().parents[1] / "conf" / "accelerate"
 
 
@@ -62,5 +65,5 @@ def preset(name: str, **context) -> Accelerator | None:
     return make_accelerator(node["kind"], node["options"], **context)
 
 
-__all__ = ["ACCELERATORS", "Accelerator", "DeepCache", "Forecast", "NoAccelerator", "accelerated",
+__all__ = ["ACCELERATORS", "Accelerator", "ClassifierGuidance", "DeepCache", "Forecast", "NoAccelerator", "accelerated",
            "accelerated_unet", "accelerator_options", "disable", "enable", "make_accelerator", "preset"]

@@ -32,6 +32,8 @@ class MethodSampler:
         from distill.accelerate import accelerated_unet
 
         batch = {"caption": list(captions), "label": labels}
+        if self.accelerator is not None:
+            self.accelerator.use_labels(labels)
         with accelerated_unet(self.unet, self.accelerator, steps, scheduler, guidance_scale):
             return self.method.generate(batch, generator, num_inference_steps=steps, guidance_scale=guidance_scale,
                                         scheduler=scheduler)

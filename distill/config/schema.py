@@ -36,7 +36,7 @@ SchedulerName = choice("SchedulerName", SCHEDULERS)
 UNetSize = choice("UNetSize", UNET_SIZES)
 ExpertSplit = choice("ExpertSplit", SPLITS)
 MonitorMode = choice("MonitorMode", ("min", "max"))
-AcceleratorKind = choice("AcceleratorKind", ("none", "deepcache", "forecast"))
+AcceleratorKind = choice("AcceleratorKind", ("none", "deepcache", "forecast", "classifier"))
 
 # ---------------------------------------------------------------- data
 

@@ -54,6 +54,7 @@ class PipelineSampler:
         self.pipe.scheduler = self.scheduler(scheduler)
         if self.accelerator is not None:
             self.accelerator.use_scheduler(scheduler, guidance_scale or 1.0)
+            self.accelerator.use_labels(labels)
         with accelerated(self.pipe, self.accelerator):
             out = self.pipe(list(captions), num_inference_steps=steps, guidance_scale=guidance_scale or 1.0,
                             height=self.size, width=self.size, generator=generator, output_type="pt").images

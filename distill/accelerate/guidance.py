@@ -1,0 +1,143 @@
+"""Classifier guidance (Dhariwal & Nichol 2021): steer each step towards class y with the gradient of a
+classifier's log p(y | x_t), added to the noise prediction,
+
+    eps <- eps - sqrt(1 - abar_t) * s * grad_x log p(y | x_t)        (their Algorithm 2, eps form)
+
+``mode=noisy`` takes the gradient of a noise-aware classifier of latents (``NoisyLatentClassifier``, the
+digits asset ``noisy_classifier`` by default). ``mode=x0`` needs no noise-aware model: it scores the decoded
+prediction of the clean image, x0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t), with a classifier of clean
+images (the digits FID classifier by default) and carries the gradient back to x_t through x0 with eps held
+fixed (grad_x = grad_x0 / sqrt(abar_t)), the usual approximation of guidance through the predicted x0.
+
+It is an alternative to classifier-free guidance (one UNet pass a step instead of two, plus the classifier's
+forward and backward), and combines with it: under CFG the UNet batch holds the unconditional and conditional
+halves, both get the same term, so the guided prediction is CFG's plus the classifier term once. A prompt whose
+label is unknown (-1) is sampled unguided. Labels come from the sampler (``use_labels``; ``distill.evaluate``
+passes the evaluation set's) or the ``labels`` option (repeated over the batch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from distill.accelerate.base import Accelerator, add_hook, like_output, output_tensor, remove_hook
+
+HOOK = "distill_classifier_guidance"
+MODES = ("noisy", "x0")
+DEFAULT_ASSET = {"noisy": "noisy_classifier", "x0": "classifier"}
+
+
+def load_guide(mode: str, path: str | None):
+    """The guiding classifier of ``mode`` from ``path`` (default: the digits asset), in eval mode."""
+    from distill.assets import asset_path
+
+    folder = Path(path) if path is not None else asset_path(DEFAULT_ASSET[mode])
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"accelerate.options.classifier={str(folder)!r} holds no config.json; give the "
+                                f"folder of a {'NoisyLatentClassifier' if mode == 'noisy' else 'DigitClassifier'}")
+    if mode == "noisy":
+        from distill.models.noisy_classifier import NoisyLatentClassifier
+
+        model = NoisyLatentClassifier.from_pretrained(folder)
+    else:
+        from distill.models.classifier import DigitClassifier
+
+        model = DigitClassifier.from_pretrained(folder)
+    return model.eval().requires_grad_(False)
+
+
+class ClassifierGuidance(Accelerator):
+    """Classifier guidance of scale ``scale`` (0: unguided) by the classifier at ``classifier`` (``mode``)."""
+
+    name = "classifier"
+
+    def __init__(self, scale: float = 1.0, mode: str = "noisy", classifier: str | None = None,
+                 labels: list[int] | None = None):
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
+            raise ValueError(f"accelerate.options.scale={scale!r} must be a number >= 0 (0 = unguided)")
+        if mode not in MODES:
+            raise ValueError(f"accelerate.options.mode={mode!r} is not one of {list(MODES)}")
+        self.scale, self.mode, self.path = float(scale), mode, classifier
+        self.fixed_labels = None if labels is None else torch.as_tensor(list(labels), dtype=torch.long)
+        self.labels = self.fixed_labels
+        self.classifier, self.alphas_cumprod, self.vae = None, None, None
+
+    def describe(self) -> str:
+        return f"classifier({self.mode},s={self.scale:g})"
+
+    def use_labels(self, labels: torch.Tensor | None) -> None:
+        self.labels = self.fixed_labels if self.fixed_labels is not None else labels
+
+    def use_pipeline(self, pipe) -> None:
+        config = pipe.scheduler.config
+        if config.get("prediction_type", "epsilon") != "epsilon":
+            raise ValueError(f"accelerate=classifier guides a noise prediction; the pipeline's scheduler says "
+                             f"prediction_type={config.get('prediction_type')!r}")
+        self.alphas_cumprod = pipe.scheduler.alphas_cumprod
+        self.vae = getattr(pipe, "vae", None)
+
+    def attach(self, unet: torch.nn.Module) -> None:
+        self.detach()
+        if self.classifier is None:
+            self.classifier = load_guide(self.mode, self.path)
+        config = unet.config
+        if self.mode == "noisy":
+            want = (self.classifier.in_channels, self.classifier.sample_size)
+            have = (config.get("in_channels"), config.get("sample_size"))
+            if want != have:
+                raise ValueError(f"accelerate.options.classifier: the guide takes {want[0]}x{want[1]}x{want[1]} "
+                                 f"latents, the UNet makes {have[0]}x{have[1]}x{have[1]}; give a classifier of this "
+                                 "model's latents")
+        elif self.vae is None and config.get("in_channels") != self.classifier.in_channels:
+            raise ValueError("accelerate.options.mode=x0 decodes the predicted x0 with the pipeline's VAE; this "
+                             "pipeline has none and its samples do not fit the classifier")
+        self.classifier.to(next(unet.parameters()).device)
+        add_hook(unet, HOOK, self._call)
+        super().attach(unet)
+
+    def detach(self) -> None:
+        if getattr(self, "unet", None) is not None:
+            remove_hook(self.unet, HOOK)
+        super().detach()
+
+    def gradient(self, x: torch.Tensor, t, labels: torch.Tensor, eps: torch.Tensor | None = None) -> torch.Tensor:
+        """grad_x log p(labels | x_t) (noisy), or its x0 approximation (x0: ``eps`` held fixed)."""
+        abar = self._abar(t, x)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # at least float32 (float64 stays, for checks)
+        with torch.enable_grad():
+            if self.mode == "noisy":
+                inp = x.detach().to(dtype).requires_grad_(True)
+                logits = self.classifier(inp, torch.as_tensor(t, device=x.device).reshape(-1).expand(len(x)))
+            else:
+                inp = ((x.to(dtype) - (1 - abar).sqrt() * eps.to(dtype)) / abar.sqrt()).detach().requires_grad_(True)
+                images = inp
+                if self.vae is not None:
+                    images = self.vae.decode(inp / self.vae.config.scaling_factor).sample  # unclamped: every pixel steers
+                logits = self.classifier(images)
+            logp = torch.log_softmax(logits.to(dtype), dim=1).gather(1, labels.view(-1, 1)).sum()
+            grad = torch.autograd.grad(logp, inp)[0]
+        return grad if self.mode == "noisy" else grad / abar.sqrt()
+
+    def _abar(self, t, x: torch.Tensor) -> torch.Tensor:
+        index = int(torch.as_tensor(t).reshape(-1)[0])
+        return self.alphas_cumprod[index].to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+
+    def _call(self, forward, *args, **kwargs):
+        out = forward(*args, **kwargs)
+        if self.scale == 0 or self.labels is None:
+            return out
+        x = args[0] if args else kwargs["sample"]
+        t = args[1] if len(args) > 1 else kwargs["timestep"]
+        labels = self.labels.to(x.device)
+        if len(x) % len(labels):
+            raise ValueError(f"{len(labels)} labels for a UNet batch of {len(x)}")
+        labels = labels.repeat(len(x) // len(labels))  # CFG's unconditional and conditional halves alike
+        guided = labels >= 0
+        if not guided.any():
+            return out
+        eps = output_tensor(out)
+        grad = self.gradient(x, t, labels.clamp_min(0), eps)
+        shift = (1 - self._abar(t, x)).sqrt() * self.scale * grad * guided.view(-1, 1, 1, 1)
+        return like_output(out, (eps.float() - shift).to(eps.dtype))
