@@ -362,9 +362,9 @@ def _log_prob(guidance, x, t, labels, eps=None):
 
 @pytest.mark.parametrize("mode", ["noisy", "x0"])
 def test_guidance_gradient_equals_a_finite_difference(pipe, tiny_guide, mode):
-    from distill.accelerate import ClassifierGuidance
-
     import copy
+
+    from distill.accelerate import ClassifierGuidance
 
     guidance = ClassifierGuidance(mode=mode, classifier=str(tiny_guide) if mode == "noisy" else None)
     guidance.use_pipeline(pipe)
