@@ -139,23 +139,22 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
 
 
 def _accelerators(cfg: DictConfig) -> list[tuple[str, object]]:
-    """(label, factory) of each accelerator of the sweep: the presets ``accelerators`` names, else the chosen
-    ``accelerate`` option. Each is built once here, so that a bad option fails before anything is loaded; the
-    factory takes the pipeline folder (where a fitted forecaster's coefficients are)."""
-    from distill.accelerate import accelerator_options, make_accelerator
+    """(label, factory) of each accelerator of the sweep: the presets ``accelerators`` names (``a+b`` chains
+    presets), else the chosen ``accelerate`` option. Each is built once here, so that a bad option fails before
+    anything is loaded; the factory takes the pipeline folder (where a fitted forecaster's coefficients are)."""
+    from distill.accelerate import make_accelerator, preset
 
     if cfg.accelerators:
-        nodes = [(name, accelerator_options(name)) for name in cfg.accelerators]
-    else:
-        node = OmegaConf.to_container(cfg.accelerate, enum_to_str=True)
-        nodes = [(str(node["kind"]), {"kind": str(node["kind"]), "options": node.get("options") or {}})]
-    out = []
-    for name, node in nodes:
-        kind, options = str(node["kind"]), dict(node["options"])
-        probe = make_accelerator(kind, options)
-        label = "none" if probe is None else (name if cfg.accelerators else probe.describe())
-        out.append((label, lambda pipeline, kind=kind, options=options: make_accelerator(kind, options, path=pipeline)))
-    return out
+        out = []
+        for name in cfg.accelerators:
+            preset(name)
+            out.append((name, lambda pipeline, name=name: preset(name, path=pipeline)))
+        return out
+    node = OmegaConf.to_container(cfg.accelerate, enum_to_str=True)
+    kind, options = str(node["kind"]), dict(node.get("options") or {})
+    probe = make_accelerator(kind, options)
+    label = "none" if probe is None else probe.describe()
+    return [(label, lambda pipeline: make_accelerator(kind, options, path=pipeline))]
 
 
 def sanity(cfg: DictConfig, out_dir: Path) -> list[dict]:

@@ -424,3 +424,19 @@ def test_a_guide_that_does_not_fit_the_latents_is_refused(pipe, tmp_path):
     proc = _evaluate(tmp_path / "cli", "accelerate=classifier", f"accelerate.options.classifier={tmp_path}",
                      "steps=[2]", "num_per_class=1")
     assert proc.returncode == 2 and "the guide takes 3x8x8" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_chain_forecasts_steps_and_caches_features_on_the_computed_ones(pipe):
+    from distill.accelerate import Chain
+
+    plain, calls = _sample(pipe, None, 8, "ddim")
+    same, n = _sample(pipe, Chain([DeepCache(interval=1), Forecast(interval=1)]), 8, "ddim")
+    assert torch.equal(same, plain) and n == calls
+    chain = preset("deepcache+forecast")
+    assert isinstance(chain, Chain) and [type(p) for p in chain.parts] == [DeepCache, Forecast]
+    forecast_only, n_forecast = _sample(pipe, Forecast(interval=2), 8, "ddim")
+    images, n = _sample(pipe, chain, 8, "ddim")
+    assert n == n_forecast == len(real_steps(8, 2, 2, 1)) and torch.isfinite(images).all()
+    cache = chain.parts[0]
+    assert cache.step == n - 1  # the cache counted the computed calls only
+    assert not torch.equal(images, forecast_only)

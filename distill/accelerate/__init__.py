@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from distill.accelerate.base import (
     Accelerator,
+    Chain,
     NoAccelerator,
     accelerated,
     accelerated_unet,
@@ -32,7 +33,10 @@ ACCELERATE_CONF = Path(__file__).resolve().parents[1] / "conf" / "accelerate"
 
 
 def accelerator_options(name: str) -> dict:
-    """The ``options`` of the package's ``conf/accelerate/<name>.yaml`` (a named preset of an accelerator)."""
+    """The ``options`` of the package's ``conf/accelerate/<name>.yaml`` (a named preset of an accelerator);
+    for a chain ``a+b``, the last part's (each part is checked)."""
+    if "+" in name:
+        return [accelerator_options(part) for part in name.split("+")][-1]
     path = ACCELERATE_CONF / f"{name}.yaml"
     if not path.is_file():
         presets = sorted(p.stem for p in ACCELERATE_CONF.glob("*.yaml"))
@@ -60,10 +64,13 @@ def make_accelerator(kind: str, options: dict | None = None, **context) -> Accel
 
 
 def preset(name: str, **context) -> Accelerator | None:
-    """The accelerator of preset ``name`` (``conf/accelerate/<name>.yaml``)."""
+    """The accelerator of preset ``name`` (``conf/accelerate/<name>.yaml``); ``a+b`` chains presets (b wraps a)."""
+    if "+" in name:
+        parts = [p for p in (preset(part, **context) for part in name.split("+")) if p is not None]
+        return Chain(parts) if parts else None
     node = accelerator_options(name)
     return make_accelerator(node["kind"], node["options"], **context)
 
 
-__all__ = ["ACCELERATORS", "Accelerator", "ClassifierGuidance", "DeepCache", "Forecast", "NoAccelerator", "accelerated",
+__all__ = ["ACCELERATORS", "Accelerator", "Chain", "ClassifierGuidance", "DeepCache", "Forecast", "NoAccelerator", "accelerated",
            "accelerated_unet", "accelerator_options", "disable", "enable", "make_accelerator", "preset"]

@@ -57,6 +57,45 @@ class NoAccelerator(Accelerator):
     """Plain sampling (the ``none`` option of a sweep)."""
 
 
+class Chain(Accelerator):
+    """Several accelerators at once, attached in order (a later one wraps the earlier ones: ``deepcache+forecast``
+    forecasts some steps and caches features on the steps it computes)."""
+
+    def __init__(self, parts: list[Accelerator]):
+        self.parts = list(parts)
+        self.name = "+".join(p.name for p in self.parts)
+
+    def describe(self) -> str:
+        return "+".join(p.describe() for p in self.parts)
+
+    def attach(self, unet: torch.nn.Module) -> None:
+        for part in self.parts:
+            part.attach(unet)
+        super().attach(unet)
+
+    def detach(self) -> None:
+        for part in reversed(self.parts):
+            part.detach()
+        super().detach()
+
+    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None) -> None:
+        super().reset(num_inference_steps, num_calls)
+        for part in self.parts:
+            part.reset(num_inference_steps, num_calls)
+
+    def use_scheduler(self, name: str, guidance_scale: float | None = None) -> None:
+        for part in self.parts:
+            part.use_scheduler(name, guidance_scale)
+
+    def use_pipeline(self, pipe) -> None:
+        for part in self.parts:
+            part.use_pipeline(pipe)
+
+    def use_labels(self, labels: torch.Tensor | None) -> None:
+        for part in self.parts:
+            part.use_labels(labels)
+
+
 class CallHook(ModelHook):
     """A diffusers ``ModelHook`` that hands each forward call to ``fn(original_forward, *args, **kwargs)``."""
 

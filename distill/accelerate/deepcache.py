@@ -32,6 +32,7 @@ from torch import nn
 from distill.accelerate.base import Accelerator, add_hook, remove_hook
 
 HOOK = "distill_deepcache"
+STEP_HOOK = "distill_deepcache_step"
 SCHEDULES = ("uniform", "nonuniform")
 
 
@@ -165,7 +166,6 @@ class DeepCache(Accelerator):
         self.layers: list[nn.Module] = []  # each deep layer once, though experts may share it
         self.active: _UNetCache | None = None  # the UNet whose call is running
         self.num_inference_steps, self.num_calls, self._full, self.step = None, None, None, -1
-        self._step_handle = None
 
     def describe(self) -> str:
         extra = "" if self.schedule == "uniform" else f",{self.schedule}"
@@ -190,12 +190,14 @@ class DeepCache(Accelerator):
         self.layers = list(seen.values())
         for module in self.layers:  # one hook per module, answering for whichever UNet is running
             add_hook(module, HOOK, functools.partial(self._layer_call, id(module)))
-        # the step is counted once, at the denoiser (an MoE's experts share it), before any hook of its forward
-        self._step_handle = unet.register_forward_pre_hook(lambda m, a: self._count())
+        # the step is counted once, at the denoiser (an MoE's experts share it), outside the caches' hooks but
+        # inside any accelerator attached later (a forecast's predicted calls compute nothing and count not)
+        add_hook(unet, STEP_HOOK, self._counted)
         super().attach(unet)
 
-    def _count(self) -> None:
+    def _counted(self, forward, *args, **kwargs):
         self.step += 1
+        return forward(*args, **kwargs)
 
     def _layer_call(self, module_id: int, forward, *args, **kwargs):
         if self.active is None:  # called outside a hooked UNet's forward: plain
@@ -207,9 +209,9 @@ class DeepCache(Accelerator):
             cache.remove()
         for module in self.layers:
             remove_hook(module, HOOK)
-        if self._step_handle is not None:
-            self._step_handle.remove()
-        self.caches, self.layers, self._step_handle, self.active = [], [], None, None
+        if getattr(self, "unet", None) is not None:
+            remove_hook(self.unet, STEP_HOOK)
+        self.caches, self.layers, self.active = [], [], None
         super().detach()
 
     def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None) -> None:
