@@ -90,11 +90,12 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
     variant = "".join(f"+{name}" for name, on in (("qkv", cfg.fuse_qkv), ("channels_last", cfg.channels_last),
                                                      ("compile", cfg.compile)) if on)
-    model = cfg.model_name or Path(str(cfg.pipeline)).name + variant
+    model = cfg.model_name or Path(str(cfg.pipeline)).name + variant + ("(null prompt)" if cfg.null_prompts else "")
     evaluator, floor, key = build_evaluator(eval_set, cfg.num_per_class, cfg.seed, cfg.cost_repeats)
     # The scheduler group's options (with any overrides) for its own scheduler; every other one of the
     # sweep takes those of its conf/scheduler/<name>.yaml; an export's own scheduler keeps its class and config.
-    sampler = PipelineSampler(pipe, {cfg.scheduler.name: dict(cfg.scheduler.options)}, own=defaults.get("name"))
+    sampler = PipelineSampler(pipe, {cfg.scheduler.name: dict(cfg.scheduler.options)}, own=defaults.get("name"),
+                              null_prompts=cfg.null_prompts)
     seeds = min(cfg.grid_seeds, cfg.num_per_class)
     start = time.perf_counter()
 

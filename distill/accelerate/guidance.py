@@ -109,7 +109,8 @@ class ClassifierGuidance(Accelerator):
         with torch.enable_grad():
             if self.mode == "noisy":
                 inp = x.detach().to(dtype).requires_grad_(True)
-                logits = self.classifier(inp, torch.as_tensor(t, device=x.device).reshape(-1).expand(len(x)))
+                # a non-leaf input: torch's FLOP counter hooks module inputs and cannot see a leaf inside grad()
+                logits = self.classifier(inp.clone(), torch.as_tensor(t, device=x.device).reshape(-1).expand(len(x)))
             else:
                 inp = ((x.to(dtype) - (1 - abar).sqrt() * eps.to(dtype)) / abar.sqrt()).detach().requires_grad_(True)
                 images = inp

@@ -243,6 +243,9 @@ class EvaluateConfig:
     schedulers: list[str] | None = None  # several scheduler names in one sweep (overrides `scheduler`)
     accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)  # a sampling accelerator (conf/accelerate)
     accelerators: list[str] | None = None  # several accelerator presets in one sweep (overrides `accelerate`)
+    # sample from the empty prompt, each sample keeping its prompt's label (prompt accuracy then measures what a
+    # guide such as accelerate=classifier steers alone: the classifier-guidance setting of an unconditional model)
+    null_prompts: bool = False
     steps: list[int] | None = None  # step counts, a row each; null: EVALUATE_STEPS plus the export's intended count (distill.json)
     num_per_class: int = 50  # samples of each prompt of the evaluation set
     seed: int = 0

@@ -30,8 +30,10 @@ class PipelineSampler:
     exported with (its ``distill.json``): that name keeps the pipeline's own scheduler class and config, e.g.
     a progressive student's ``GridDDIMScheduler`` for "ddim" (diffusers' DDIM would leave its training grid)."""
 
-    def __init__(self, pipe, options: dict[str, dict] | None = None, own: str | None = None):
+    def __init__(self, pipe, options: dict[str, dict] | None = None, own: str | None = None,
+                 null_prompts: bool = False):
         self.pipe, self.unet = pipe, pipe.unet
+        self.null_prompts = null_prompts  # sample from the empty prompt (labels kept: a guide alone steers)
         self.base_config = pipe.scheduler.config
         self.own_class, self.own = type(pipe.scheduler), own
         self.options = dict(options or {})
@@ -55,8 +57,9 @@ class PipelineSampler:
         if self.accelerator is not None:
             self.accelerator.use_scheduler(scheduler, guidance_scale or 1.0)
             self.accelerator.use_labels(labels)
+        prompts = [""] * len(captions) if self.null_prompts else list(captions)
         with accelerated(self.pipe, self.accelerator):
-            out = self.pipe(list(captions), num_inference_steps=steps, guidance_scale=guidance_scale or 1.0,
+            out = self.pipe(prompts, num_inference_steps=steps, guidance_scale=guidance_scale or 1.0,
                             height=self.size, width=self.size, generator=generator, output_type="pt").images
         return out * 2.0 - 1.0
 
