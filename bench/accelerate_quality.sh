@@ -28,11 +28,21 @@ for pair in "ddim 50" "dpmsolver 20"; do
   done
   run "teacher-$s$n-deepcache5nu" "${base[@]}" accelerate=deepcache accelerate.options.interval=5 \
     accelerate.options.schedule=nonuniform
-  for N in 2 3; do
+  for N in 2 3 4 5; do
     run "teacher-$s$n-taylor$N" "${base[@]}" accelerate=forecast accelerate.options.interval=$N
   done
   run "teacher-$s$n-fitted2" "${base[@]}" accelerate=forecast_fitted accelerate.options.path="$OUT/fit"
+  run "teacher-$s$n-deepcache3+taylor2" "${base[@]}" "accelerators=[deepcache+forecast]"
 done
+# classifier guidance (the noise-aware digits classifier, scale 3) against and with CFG, on DDIM 50: conditional
+# prompts without CFG, with CFG 3, and the harder setting of empty prompts (labels kept) where the guide alone steers
+g=(scheduler=ddim "steps=[50]")
+run teacher-ddim50-cfg1 "${g[@]}" guidance_scale=1
+run teacher-ddim50-cfg1-classifier "${g[@]}" guidance_scale=1 accelerate=classifier
+run teacher-ddim50-cfg3-classifier "${g[@]}" guidance_scale=3 accelerate=classifier
+run teacher-ddim50-null "${g[@]}" guidance_scale=1 null_prompts=true
+run teacher-ddim50-null-classifier "${g[@]}" guidance_scale=1 null_prompts=true accelerate=classifier
+run teacher-ddim50-null-classifier_x0 "${g[@]}" guidance_scale=1 null_prompts=true accelerate=classifier_x0
 if [ -n "$LCM" ]; then
   run lcm4 pipeline="$LCM" scheduler=lcm "steps=[4]"
   run lcm4-deepcache2 pipeline="$LCM" scheduler=lcm "steps=[4]" accelerate=deepcache accelerate.options.interval=2
