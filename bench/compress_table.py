@@ -1,4 +1,5 @@
-"""One quality-cost table and Pareto plot of compressed students against their teacher.
+"""One quality-cost table and Pareto plot from several runs' CSVs (compressed students against their teacher,
+sampling accelerators against plain sampling, ...).
 
     python bench/compress_table.py teacher=outputs/compress/pruned50/quality_cost.csv:teacher \\
         "pruned50 untrained=outputs/compress_untrained/pruned50/eval/quality_cost.csv" \\
@@ -51,19 +52,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("specs", nargs="+")
     parser.add_argument("--out", required=True)
     parser.add_argument("--plot")
+    parser.add_argument("--title", default="compressed students: FID vs GFLOPs per image")
     args = parser.parse_args(argv)
     rows = [row for spec in args.specs for row in read_rows(spec)]
     from distill.metrics.report import plot_pareto, write_csv
 
     write_csv(rows, Path(args.out))
     if args.plot:
-        plot_pareto(rows, Path(args.plot), title="compressed students: FID vs GFLOPs per image", x="gflops_per_image")
-    print("| model | sampler | steps | params (M) | GFLOPs / image | FID | prompt accuracy |")
-    print("|---|---|---|---|---|---|---|")
+        plot_pareto(rows, Path(args.plot), title=args.title, x="gflops_per_image")
+    print("| model | sampler | steps | NFE | params (M) | GFLOPs / image | FID | prompt accuracy |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['scheduler']} | {r['steps']} | {r.get('params_m', float('nan')):.3f} | "
-              f"{r.get('gflops_per_image', float('nan')):.3f} | {r['fid']:.2f} ± {r.get('fid_std', 0):.2f} | "
-              f"{100 * r.get('prompt_accuracy', float('nan')):.1f}% |")
+        print(f"| {r['model']} | {r['scheduler']} | {r['steps']} | {r.get('nfe', float('nan')):g} | "
+              f"{r.get('params_m', float('nan')):.3f} | {r.get('gflops_per_image', float('nan')):.3f} | "
+              f"{r['fid']:.2f} ± {r.get('fid_std', 0):.2f} | {100 * r.get('prompt_accuracy', float('nan')):.1f}% |")
 
 
 if __name__ == "__main__":

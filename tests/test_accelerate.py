@@ -388,12 +388,13 @@ def test_guided_noise_prediction_is_the_papers_formula_and_scale_0_is_unguided(p
     from distill.accelerate import ClassifierGuidance
 
     unet, generator = pipe.unet, torch.Generator().manual_seed(1)
-    x, t = torch.randn(4, 4, 8, 8, generator=generator), torch.tensor(600)
+    x, t = torch.randn(2, 4, 8, 8, generator=generator).repeat(2, 1, 1, 1), torch.tensor(600)  # CFG's two halves
     text = torch.randn(4, 16, unet.config.cross_attention_dim, generator=generator)
     with torch.no_grad():
         plain = unet(x, t, encoder_hidden_states=text).sample
     guidance = ClassifierGuidance(scale=2.5, classifier=str(tiny_guide))
     guidance.use_pipeline(pipe)
+    guidance.use_scheduler("ddim", 3.0)
     guidance.use_labels(torch.tensor([5, -1]))  # two prompts, batch doubled by CFG; the second unlabelled
     guidance.attach(unet)
     with torch.no_grad():
@@ -455,3 +456,42 @@ def test_classifier_guidance_alone_steers_null_prompt_samples_to_their_labels(tm
     assert float(rows["none"]["prompt_accuracy"]) < 0.4 < 0.7 < float(rows["classifier"]["prompt_accuracy"])
     assert float(rows["classifier"]["nfe"]) == float(rows["none"]["nfe"]) == 10
     assert float(rows["classifier"]["gflops_per_image"]) > float(rows["none"]["gflops_per_image"])
+
+
+def test_x0_guidance_under_cfg_adds_one_term_from_the_guided_prediction(pipe, tiny_guide):
+    from distill.accelerate import ClassifierGuidance
+
+    unet, generator = pipe.unet, torch.Generator().manual_seed(2)
+    x, t = torch.randn(2, 4, 8, 8, generator=generator).repeat(2, 1, 1, 1), torch.tensor(300)
+    text = torch.randn(4, 16, unet.config.cross_attention_dim, generator=generator)
+    with torch.no_grad():
+        plain = unet(x, t, encoder_hidden_states=text).sample
+    guidance = ClassifierGuidance(scale=0.1, mode="x0")  # the digits classifier on the decoded x0
+    guidance.use_pipeline(pipe)  # diffusers' CFG batch: [unconditional, conditional]
+    guidance.use_scheduler("ddim", 3.0)
+    guidance.use_labels(torch.tensor([2, 9]))
+    guidance.attach(unet)
+    with torch.no_grad():
+        guided = unet(x, t, encoder_hidden_states=text).sample
+    guidance.detach()
+    combined = plain[:2] + 3.0 * (plain[2:] - plain[:2])
+    grad = guidance.gradient(x[:2], 300, torch.tensor([2, 9]), combined)
+    shift = (1 - pipe.scheduler.alphas_cumprod[300]).sqrt() * 0.1 * grad
+    assert torch.allclose(guided, plain - shift.repeat(2, 1, 1, 1), atol=1e-5)
+    after_cfg = guided[:2] + 3.0 * (guided[2:] - guided[:2])
+    assert torch.allclose(after_cfg, combined - shift, atol=1e-4)  # CFG keeps the term once
+
+
+def test_x0_guidance_runs_in_bfloat16(pipe, tiny_guide):
+    import copy
+
+    from distill.accelerate import ClassifierGuidance
+
+    half = copy.deepcopy(pipe).to(dtype=torch.bfloat16)
+    half.set_progress_bar_config(disable=True)
+    for mode, path in (("x0", None), ("noisy", str(tiny_guide))):
+        guidance = ClassifierGuidance(scale=0.1, mode=mode, classifier=path, labels=[1, 4])
+        with accelerated(half, guidance):
+            images = half(PROMPTS, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
+                          output_type="pt").images
+        assert torch.isfinite(images).all(), mode

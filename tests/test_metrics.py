@@ -245,7 +245,7 @@ def test_pareto_front_and_outputs(tmp_path):
     write_csv(rows[:2], tmp_path / "qc.csv")
     write_csv(rows[2:], tmp_path / "qc.csv", append=True)
     lines = (tmp_path / "qc.csv").read_text().splitlines()
-    assert len(lines) == 5 and lines[0].startswith("model,scheduler,steps")
+    assert len(lines) == 5 and lines[0].startswith("model,scheduler,accelerate,steps")
     table = format_table(rows, floor={"fid": 0.5, "fid_std": 0.05})
     assert "| s | lcm | 4 |" in table and "floor: FID(train, held-out) = 0.500 ± 0.050" in table
 

@@ -212,19 +212,20 @@ def test_quality_cost_callback_sweeps_accelerators(tiny_sd, tmp_path):
         "trainer.limit_val_batches=1", "callbacks=[default,quality_cost]", "callbacks.quality_cost.every_n_steps=0",
         "callbacks.quality_cost.steps=[6]", f"callbacks.quality_cost.teacher={tiny_sd}",
         "callbacks.quality_cost.teacher_steps=[6]", "callbacks.quality_cost.num_per_class=1",
-        "callbacks.quality_cost.accelerators=[none,deepcache,forecast]", "callbacks.samples=null",
+        "callbacks.quality_cost.accelerators=[none,deepcache,forecast,classifier]", "callbacks.samples=null",
         "sample_grid_seeds=0", "logger=csv", f"hydra.run.dir={run_dir}", env={"HOME": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(run_dir / "quality_cost.csv")))
     assert [(r["model"], r["accelerate"]) for r in rows] == [
         (m + s, a) for m in ("teacher", "student") for s, a in (("", "none"), ("+deepcache", "deepcache"),
-                                                                ("+forecast", "forecast"))]
+                                                                ("+forecast", "forecast"), ("+classifier", "classifier"))]
     for model in ("teacher", "student"):
         nfe = {r["accelerate"]: float(r["nfe"]) for r in rows if r["model"].startswith(model)}
         flops = {r["accelerate"]: float(r["gflops_per_image"]) for r in rows if r["model"].startswith(model)}
         assert nfe["deepcache"] == nfe["none"] and flops["deepcache"] < flops["none"]
         assert nfe["forecast"] == nfe["none"] * 4 / 6  # real steps 0, 1, 3, 5 of 6
+        assert nfe["classifier"] == nfe["none"] and flops["classifier"] > flops["none"]  # the guide's passes
     metrics = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
     assert any(r.get("val/fid@ddim-6+forecast") for r in metrics)
 

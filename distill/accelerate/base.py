@@ -167,14 +167,17 @@ def accelerated(pipe, accelerator: Accelerator | None) -> Iterator:
 
 @contextlib.contextmanager
 def accelerated_unet(unet: torch.nn.Module, accelerator: Accelerator | None, num_inference_steps: int,
-                     scheduler: str | None = None, guidance_scale: float | None = None) -> Iterator:
-    """``accelerator`` on ``unet`` for one trajectory of ``num_inference_steps`` (a sampling loop without a
-    pipeline, e.g. a training method's ``generate``); plain with None."""
+                     scheduler: str | None = None, guidance_scale: float | None = None, pipe=None) -> Iterator:
+    """``accelerator`` on ``unet`` for one trajectory of ``num_inference_steps`` (a sampling loop that builds
+    its own pipeline, e.g. a training method's ``generate``; ``pipe``: one like it, for its scheduler and VAE);
+    plain with None."""
     if accelerator is None:
         yield unet
         return
     if scheduler is not None:
         accelerator.use_scheduler(scheduler, guidance_scale)
+    if pipe is not None:
+        accelerator.use_pipeline(pipe)
     accelerator.attach(unet)
     try:
         accelerator.reset(num_inference_steps)

@@ -11,19 +11,22 @@ fixed (grad_x = grad_x0 / sqrt(abar_t)), the usual approximation of guidance thr
 
 It is an alternative to classifier-free guidance (one UNet pass a step instead of two, plus the classifier's
 forward and backward), and combines with it: under CFG the UNet batch holds the unconditional and conditional
-halves, both get the same term, so the guided prediction is CFG's plus the classifier term once. A prompt whose
+halves (the same x_t), the gradient is taken once (in x0 mode at the x0 of the CFG-combined prediction) and both
+halves get the same term, so the guided prediction is CFG's plus the classifier term once. A prompt whose
 label is unknown (-1) is sampled unguided. Labels come from the sampler (``use_labels``; ``distill.evaluate``
 passes the evaluation set's) or the ``labels`` option (repeated over the batch).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from distill.accelerate.base import Accelerator, add_hook, like_output, output_tensor, remove_hook
 
+log = logging.getLogger(__name__)
 HOOK = "distill_classifier_guidance"
 MODES = ("noisy", "x0")
 DEFAULT_ASSET = {"noisy": "noisy_classifier", "x0": "classifier"}
@@ -62,7 +65,12 @@ class ClassifierGuidance(Accelerator):
         self.scale, self.mode, self.path = float(scale), mode, classifier
         self.fixed_labels = None if labels is None else torch.as_tensor(list(labels), dtype=torch.long)
         self.labels = self.fixed_labels
-        self.classifier, self.alphas_cumprod, self.vae = None, None, None
+        self.classifier, self.alphas_cumprod, self.vae, self.pipe = None, None, None, None
+        self.guidance_scale, self.uncond_first = None, True
+        if mode == "x0" and classifier is None:
+            log.warning("accelerate=classifier mode=x0 guides with the digits classifier, the network that also "
+                        "gives the digits' FID features and prompt accuracy: those numbers then judge the guide by "
+                        "itself; give an independent classifier (accelerate.options.classifier=...) to measure it")
 
     def describe(self) -> str:
         return f"classifier({self.mode},s={self.scale:g})"
@@ -70,13 +78,18 @@ class ClassifierGuidance(Accelerator):
     def use_labels(self, labels: torch.Tensor | None) -> None:
         self.labels = self.fixed_labels if self.fixed_labels is not None else labels
 
+    def use_scheduler(self, name: str, guidance_scale: float | None = None) -> None:
+        self.guidance_scale = guidance_scale
+
     def use_pipeline(self, pipe) -> None:
         config = pipe.scheduler.config
         if config.get("prediction_type", "epsilon") != "epsilon":
             raise ValueError(f"accelerate=classifier guides a noise prediction; the pipeline's scheduler says "
                              f"prediction_type={config.get('prediction_type')!r}")
         self.alphas_cumprod = pipe.scheduler.alphas_cumprod
-        self.vae = getattr(pipe, "vae", None)
+        self.vae, self.pipe = getattr(pipe, "vae", None), pipe
+        # diffusers' pipelines batch CFG as [unconditional, conditional]; distill's class pipeline the other way
+        self.uncond_first = getattr(pipe, "cfg_uncond_first", True)
 
     def attach(self, unet: torch.nn.Module) -> None:
         self.detach()
@@ -114,16 +127,31 @@ class ClassifierGuidance(Accelerator):
             else:
                 inp = ((x.to(dtype) - (1 - abar).sqrt() * eps.to(dtype)) / abar.sqrt()).detach().requires_grad_(True)
                 images = inp
-                if self.vae is not None:
-                    images = self.vae.decode(inp / self.vae.config.scaling_factor).sample  # unclamped: every pixel steers
-                logits = self.classifier(images)
+                if self.vae is not None:  # decoded in the VAE's dtype; unclamped, so that every pixel steers
+                    images = self.vae.decode((inp / self.vae.config.scaling_factor).to(self.vae.dtype)).sample
+                param = next(self.classifier.parameters())
+                logits = self.classifier(images.to(param.dtype))
             logp = torch.log_softmax(logits.to(dtype), dim=1).gather(1, labels.view(-1, 1)).sum()
             grad = torch.autograd.grad(logp, inp)[0]
         return grad if self.mode == "noisy" else grad / abar.sqrt()
 
     def _abar(self, t, x: torch.Tensor) -> torch.Tensor:
-        index = int(torch.as_tensor(t).reshape(-1)[0])
-        return self.alphas_cumprod[index].to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+        """abar at timestep t, linearly interpolated between integer timesteps (schedulers with fractional ones)."""
+        t = float(torch.as_tensor(t).reshape(-1)[0])
+        table = self.alphas_cumprod.to(torch.float64)
+        lo = min(int(t), len(table) - 1)
+        hi, frac = min(lo + 1, len(table) - 1), t - lo
+        value = table[lo] * (1 - frac) + table[hi] * frac
+        return value.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+
+    def _cfg(self) -> bool:
+        """Whether this call's UNet batch holds CFG's two halves."""
+        if self.guidance_scale is None and self.pipe is not None and hasattr(self.pipe, "_guidance_scale"):
+            try:  # a user's pipe(prompt, guidance_scale=...) call: the pipeline knows
+                return bool(self.pipe.do_classifier_free_guidance)
+            except (AttributeError, TypeError):
+                pass
+        return (self.guidance_scale or 1.0) > 1.0
 
     def _call(self, forward, *args, **kwargs):
         out = forward(*args, **kwargs)
@@ -132,13 +160,23 @@ class ClassifierGuidance(Accelerator):
         x = args[0] if args else kwargs["sample"]
         t = args[1] if len(args) > 1 else kwargs["timestep"]
         labels = self.labels.to(x.device)
-        if len(x) % len(labels):
+        halves = 2 if self._cfg() else 1
+        if len(x) % (halves * len(labels)):
             raise ValueError(f"{len(labels)} labels for a UNet batch of {len(x)}")
-        labels = labels.repeat(len(x) // len(labels))  # CFG's unconditional and conditional halves alike
+        # diffusers repeats each prompt's images next to each other (num_images_per_prompt)
+        labels = labels.repeat_interleave(len(x) // (halves * len(labels)))
         guided = labels >= 0
         if not guided.any():
             return out
         eps = output_tensor(out)
-        grad = self.gradient(x, t, labels.clamp_min(0), eps)
+        n = len(labels)
+        x_one, eps_one = x[:n], eps[:n]  # under CFG both halves see the same x_t
+        if halves == 2 and self.mode == "x0":
+            # x0 from the guided prediction the sampler will use: one term, added after CFG
+            w = float(self.guidance_scale if self.guidance_scale is not None else self.pipe._guidance_scale)
+            uncond, cond = (eps[:n], eps[n:]) if self.uncond_first else (eps[n:], eps[:n])
+            eps_one = uncond + w * (cond - uncond)
+        grad = self.gradient(x_one, t, labels.clamp_min(0), eps_one)
         shift = (1 - self._abar(t, x)).sqrt() * self.scale * grad * guided.view(-1, 1, 1, 1)
+        shift = shift.repeat(halves, 1, 1, 1)  # the same term on both halves: CFG keeps it once
         return like_output(out, (eps.float() - shift).to(eps.dtype))

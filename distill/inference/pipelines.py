@@ -98,6 +98,8 @@ class DistillClassPipeline(DiffusionPipeline):
                                 default_guidance_scale=default_guidance_scale)
         self.image_processor = VaeImageProcessor(do_resize=False)
 
+    cfg_uncond_first = False  # distill.inference.sampling batches CFG as [conditional, unconditional]
+
     @property
     def num_classes(self) -> int:
         return self.unet.config.num_class_embeds - 1

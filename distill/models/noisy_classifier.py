@@ -36,7 +36,6 @@ class NoisyLatentClassifier(nn.Module, PyTorchModelHubMixin):
     def __init__(self, in_channels: int = 4, sample_size: int = 8, channels: tuple[int, ...] | list[int] = (64, 128),
                  time_dim: int = 128, num_classes: int = 10, groups: int = 8):
         super().__init__()
-        self.config_dict = dict(in_channels=in_channels, sample_size=sample_size, num_classes=num_classes)
         self.in_channels, self.sample_size, self.num_classes = in_channels, sample_size, num_classes
         self.time_proj = Timesteps(channels[0], flip_sin_to_cos=True, downscale_freq_shift=0)
         self.time_embedding = TimestepEmbedding(channels[0], time_dim)
