@@ -88,6 +88,9 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         pipe.unet, applied = fuse_unet(pipe.unet, qkv=cfg.fuse_qkv, channels_last=cfg.channels_last, compile=cfg.compile)
         log.info("UNet speed-ups: %s", ", ".join(applied))
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
+    if cfg.null_prompts and guidance > 1:
+        raise ValueError(f"null_prompts=true samples the empty prompt, where CFG at guidance_scale={guidance} would run "
+                         "the same pass twice; set guidance_scale=1")
     variant = "".join(f"+{name}" for name, on in (("qkv", cfg.fuse_qkv), ("channels_last", cfg.channels_last),
                                                      ("compile", cfg.compile)) if on)
     model = cfg.model_name or Path(str(cfg.pipeline)).name + variant + ("(null prompt)" if cfg.null_prompts else "")

@@ -163,3 +163,13 @@ def test_bad_compression_settings_exit_2_naming_the_key(tmp_path, student, overr
                      f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_mid_block_is_matched_on_request(teacher):
+    method = _method(teacher, _narrow, cond_dropout=0.0, match_mid_block=True)
+    assert list(feature_blocks(method.student, mid_block=True))[3] == "mid_block"
+    narrower = method.student.mid_block.resnets[-1].conv2.out_channels < method.teacher_unet.mid_block.resnets[-1].conv2.out_channels
+    assert ("mid_block" in method.regressors) == narrower
+    terms = method.loss_terms(_batch(), torch.Generator().manual_seed(7))
+    plain = _method(teacher, _narrow, cond_dropout=0.0).loss_terms(_batch(), torch.Generator().manual_seed(7))
+    assert terms["feature"].item() > plain["feature"].item()  # one more (non-zero) block term

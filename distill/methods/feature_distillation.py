@@ -6,7 +6,8 @@ quality at the teacher's own step count with three terms at one noise level per 
 * the task loss: the denoising regression of the student on the data, ``|| target - s(x_t, c, t) ||^2``;
 * output distillation: ``|| T(x_t, c, t) - s(x_t, c, t) ||^2``, the teacher's prediction as the target;
 * feature distillation: ``sum_l || T_l - s_l ||^2`` over the outputs of every down block and every up block
-  (the stages BK-SDM's code matches; the mid block is not matched), each a mean squared error. Where a pruned student's block output is narrower than the
+  (the stages BK-SDM's code matches, whose students drop the mid block; ``match_mid_block`` adds it for students
+  that keep it, as pruned and low-rank ones do), each a mean squared error. Where a pruned student's block output is narrower than the
   teacher's, a learned 1x1 convolution maps it to the teacher's width first (FitNets' regressor, Romero et al.
   2015); the regressors train with the student and are not part of the export.
 
@@ -32,12 +33,15 @@ from distill.models.teacher import Teacher
 BLOCK_GROUPS = ("down_blocks", "up_blocks")
 
 
-def feature_blocks(unet: nn.Module) -> dict[str, nn.Module]:
-    """The modules whose outputs feature distillation matches: every down block and every up block (BK-SDM)."""
+def feature_blocks(unet: nn.Module, mid_block: bool = False) -> dict[str, nn.Module]:
+    """The modules whose outputs feature distillation matches: every down block and every up block (BK-SDM),
+    and with ``mid_block`` the mid block too (where the student keeps one)."""
     if not all(hasattr(unet, g) for g in BLOCK_GROUPS):
         raise ValueError(f"{type(unet).__name__} has no down_blocks/up_blocks to match features at; "
                          "set method.feature_weight=0 (output distillation only)")
     blocks = {f"down_blocks.{i}": b for i, b in enumerate(unet.down_blocks)}
+    if mid_block and getattr(unet, "mid_block", None) is not None:
+        blocks["mid_block"] = unet.mid_block
     blocks.update({f"up_blocks.{i}": b for i, b in enumerate(unet.up_blocks)})
     return blocks
 
@@ -76,6 +80,7 @@ class FeatureDistillation(TeacherStudentDistillation):
         output_weight: float = 1.0,
         feature_weight: float = 1.0,
         cond_dropout: float = 0.1,
+        match_mid_block: bool = False,
         sampling: dict | None = None,
         **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
@@ -107,8 +112,8 @@ class FeatureDistillation(TeacherStudentDistillation):
         self.num_train_timesteps = int(teacher.scheduler.config.num_train_timesteps)
         self.regressors = nn.ModuleDict()
         if feature_weight > 0:
-            self._teacher_rec = _Recorder(feature_blocks(self.teacher_unet))
-            self._student_rec = _Recorder(feature_blocks(self.student))
+            self._teacher_rec = _Recorder(feature_blocks(self.teacher_unet, match_mid_block))
+            self._student_rec = _Recorder(feature_blocks(self.student, match_mid_block))
             self._build_regressors()
 
     @torch.no_grad()
