@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 
 DEFAULT_VARIANTS = [
     "ddim50", "ddim50 deepcache:interval=2", "ddim50 deepcache:interval=3", "ddim50 deepcache:interval=5",
-    "ddim50 forecast:interval=2", "ddim50 forecast:interval=3",
-    "dpmsolver20", "dpmsolver20 deepcache:interval=2", "dpmsolver20 deepcache:interval=3",
-    "dpmsolver20 forecast:interval=2",
-    "ddim50@cfg1", "ddim50@cfg1 classifier:scale=1", "ddim50 classifier:scale=1",
-    "lcm:lcm4", "lcm:lcm4 deepcache:interval=2", "lcm:lcm4 forecast:interval=2",
+    "ddim50 forecast:interval=2", "ddim50 forecast:interval=5",
+    "dpmsolver20", "dpmsolver20 deepcache:interval=2", "dpmsolver20 forecast:interval=2",
+    "dpmsolver20 forecast:interval=3",
+    "ddim50@cfg1", "ddim50@cfg1 classifier:scale=3", "ddim50 classifier:scale=3",
+    "lcm:lcm4", "lcm:lcm4 deepcache:interval=2",
 ]
 
 
