@@ -33,20 +33,47 @@ for d in pruned30 pruned50 pruned70 lowrank50 lowrank25; do
   $PY -m distill.evaluate pipeline=outputs/compress_untrained/$d schedulers=[ddim] steps=[25] guidance_scale=3.0 \
     num_per_class=50 grids=false cost_repeats=1 hydra.run.dir=outputs/compress_untrained/$d/eval
 done
-$PY -m distill.train +exp=compress logger=csv hydra.run.dir=outputs/compress/pruned50
-for v in "pruned30|student.ratio=0.3" "lowrank50|student=lowrank student.budget=0.5"; do
+$PY -m distill.train +exp=compress callbacks.quality_cost.teacher=null logger=csv hydra.run.dir=outputs/compress/pruned50
+$PY -m distill.train +exp=compress method.match_mid_block=false callbacks.quality_cost.teacher=null logger=csv \
+  hydra.run.dir=outputs/compress/pruned50_bksdm
+for v in "pruned30|student.ratio=0.3" "pruned70|student.ratio=0.7" "lowrank50|student=lowrank student.budget=0.5" \
+  "lowrank25|student=lowrank student.budget=0.25"; do
   # shellcheck disable=SC2086
   $PY -m distill.train +exp=compress ${v#*|} trainer.max_steps=1000 callbacks.quality_cost.teacher=null logger=csv \
     hydra.run.dir=outputs/compress/${v%%|*}
 done
-$PY -m distill.train +exp=consistency student=pruned student.ratio=0.5 student.time_cond_proj_dim=256 \
-  trainer.max_steps=500 method.lr_scheduler.total_steps=500 callbacks.quality_cost.every_n_steps=500 \
-  callbacks.quality_cost.teacher=null logger=csv sample_grid_seeds=0 hydra.run.dir=outputs/compress/pruned50_lcm
+lcm=(trainer.max_steps=500 method.lr_scheduler.total_steps=500 callbacks.quality_cost.every_n_steps=500
+  callbacks.quality_cost.teacher=null logger=csv sample_grid_seeds=0)
+$PY -m distill.train +exp=consistency student=pruned student.ratio=0.5 student.time_cond_proj_dim=256 "${lcm[@]}" \
+  hydra.run.dir=outputs/compress/pruned50_lcm
+$PY -m distill.train +exp=consistency student=pretrained student.path=outputs/compress/pruned50_bksdm/export \
+  student.time_cond_proj_dim=256 "${lcm[@]}" hydra.run.dir=outputs/compress/recovered50_lcm
+$PY -m distill.evaluate steps=[4,8,25] schedulers=[ddim,dpmsolver] num_per_class=50 grids=false cost_repeats=1 \
+  hydra.run.dir=outputs/compress/teacher
 u=outputs/compress_untrained; c=outputs/compress
-$PY bench/compress_table.py "teacher=$c/pruned50/quality_cost.csv:teacher" \
+$PY bench/compress_table.py "teacher=$c/teacher/quality_cost.csv" \
   "pruned30 untrained=$u/pruned30/eval/quality_cost.csv" "pruned50 untrained=$u/pruned50/eval/quality_cost.csv" \
   "pruned70 untrained=$u/pruned70/eval/quality_cost.csv" "lowrank50 untrained=$u/lowrank50/eval/quality_cost.csv" \
   "lowrank25 untrained=$u/lowrank25/eval/quality_cost.csv" "pruned30 1k=$c/pruned30/quality_cost.csv:student" \
-  "pruned50 2k=$c/pruned50/quality_cost.csv:student" "lowrank50 1k=$c/lowrank50/quality_cost.csv:student" \
-  "pruned50+LCM 500=$c/pruned50_lcm/quality_cost.csv:student" \
+  "pruned50 2k=$c/pruned50/quality_cost.csv:student" "pruned50 2k BK-SDM blocks=$c/pruned50_bksdm/quality_cost.csv:student" \
+  "pruned70 1k=$c/pruned70/quality_cost.csv:student" "lowrank50 1k=$c/lowrank50/quality_cost.csv:student" \
+  "lowrank25 1k=$c/lowrank25/quality_cost.csv:student" "pruned50+LCM 500=$c/pruned50_lcm/quality_cost.csv:student" \
+  "recovered pruned50+LCM 500=$c/recovered50_lcm/quality_cost.csv:student" \
   --out docs/compress_quality_cost.csv --plot docs/compress_pareto.png
+
+# training-free accelerators (issue 16): each accelerator on the teacher (DDIM 50, DPM-Solver 20) and the LCM student
+a=outputs/accelerate
+PYTHON=$PY bash bench/accelerate_quality.sh $a outputs/consistency_demo/export
+specs=()
+for d in teacher-ddim50 teacher-ddim50-deepcache2 teacher-ddim50-deepcache3 teacher-ddim50-deepcache5 \
+  teacher-ddim50-deepcache5nu teacher-ddim50-taylor2 teacher-ddim50-taylor3 teacher-ddim50-taylor4 teacher-ddim50-taylor5 \
+  teacher-ddim50-fitted2 teacher-ddim50-deepcache3+taylor2 teacher-dpmsolver20 teacher-dpmsolver20-deepcache2 \
+  teacher-dpmsolver20-deepcache3 teacher-dpmsolver20-deepcache5 teacher-dpmsolver20-deepcache5nu \
+  teacher-dpmsolver20-taylor2 teacher-dpmsolver20-taylor3 teacher-dpmsolver20-taylor4 teacher-dpmsolver20-taylor5 \
+  teacher-dpmsolver20-fitted2 teacher-dpmsolver20-deepcache3+taylor2 teacher-ddim50-cfg1 teacher-ddim50-cfg1-classifier \
+  teacher-ddim50-cfg3-classifier teacher-ddim50-null teacher-ddim50-null-classifier lcm4 lcm4-deepcache2 lcm4-taylor; do
+  specs+=("$d=$a/$d/quality_cost.csv")
+done
+$PY bench/compress_table.py "${specs[@]}" --out docs/accelerate_quality_cost.csv --plot docs/accelerate_pareto.png \
+  --title "training-free accelerators: FID vs GFLOPs per image"
+$PY bench/accelerate_latency.py --threads 2 --lcm outputs/consistency_demo/export --out docs/accelerate_latency.json
