@@ -53,13 +53,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--plot")
     parser.add_argument("--title", default="compressed students: FID vs GFLOPs per image")
+    parser.add_argument("--groups", nargs="+", default=None, metavar="NAME=PREFIX",
+                        help="one plot series per group: the rows whose label starts with PREFIX, each point labelled "
+                             "by the rest of its label")
     args = parser.parse_args(argv)
+    groups = []
+    for item in args.groups or []:
+        name, sep, prefix = item.partition("=")
+        if not sep or not name:
+            parser.exit(2, f"error: --groups {item!r}: give NAME=PREFIX\n")
+        groups.append((name, prefix))
     rows = [row for spec in args.specs for row in read_rows(spec)]
     from distill.metrics.report import plot_pareto, write_csv
 
     write_csv(rows, Path(args.out))
     if args.plot:
-        plot_pareto(rows, Path(args.plot), title=args.title, x="gflops_per_image")
+        def group(r):  # the longest matching prefix
+            return max(((len(p), (n, p)) for n, p in groups if r["model"].startswith(p)), default=(0, (r["model"], "")))[1]
+
+        plot_pareto(rows, Path(args.plot), title=args.title, x="gflops_per_image",
+                    series_of=(lambda r: group(r)[0]) if groups else None,
+                    point_label=(lambda r: r["model"][len(group(r)[1]):].lstrip("-") or "plain") if groups else None)
     print("| model | sampler | steps | NFE | params (M) | GFLOPs / image | FID | prompt accuracy |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

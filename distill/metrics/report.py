@@ -100,9 +100,10 @@ def format_table(rows: list[dict], floor: dict | None = None) -> str:
 
 
 def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", floor: dict | None = None,
-                x: str = "latency_s", y: str = "fid") -> Path:
-    """FID against latency per image with +-1 std error bars, one series per (model, scheduler), the front
-    drawn as a line, the real-data floor as a band."""
+                x: str = "latency_s", y: str = "fid", series_of=None, point_label=None) -> Path:
+    """FID against latency per image with +-1 std error bars, one series per (model, scheduler) (or per
+    ``series_of(row)``, each point labelled ``point_label(row)``, default its steps), the front drawn as a line,
+    the real-data floor as a band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,14 +112,16 @@ def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", fl
     fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=120)
     series: dict[tuple, list[dict]] = {}
     for r in rows:
-        series.setdefault((r["model"], r["scheduler"]), []).append(r)
-    for (model, scheduler), rs in sorted(series.items()):
+        series.setdefault(series_of(r) if series_of else (r["model"], r["scheduler"]), []).append(r)
+    for key, rs in sorted(series.items()):
         rs = sorted(rs, key=lambda r: r[x])
-        marker = "s" if model == "teacher" else "o"
+        name = key if series_of else f"{key[0]} {key[1]}"
+        marker = "s" if name.startswith("teacher") and series_of is None and key[0] == "teacher" else "o"
         ax.errorbar([r[x] for r in rs], [r[y] for r in rs], yerr=[r.get(f"{y}_std", 0.0) for r in rs], marker=marker,
-                    linestyle=":", capsize=2, label=f"{model} {scheduler}")
+                    linestyle=":", capsize=2, label=name)
         for r in rs:
-            ax.annotate(str(r["steps"]), (r[x], r[y]), textcoords="offset points", xytext=(3, 3), fontsize=7)
+            ax.annotate(point_label(r) if point_label else str(r["steps"]), (r[x], r[y]), textcoords="offset points",
+                        xytext=(3, 3), fontsize=6 if point_label else 7)
     front = pareto_front(rows, x, y)
     ax.plot([r[x] for r in front], [r[y] for r in front], color="black", linewidth=1, alpha=0.5, label="Pareto front")
     if floor is not None:
