@@ -349,6 +349,8 @@ def tiny_guide(tmp_path_factory):
 
 
 def _log_prob(guidance, x, t, labels, eps=None):
+    from distill.models.clip import encode_images, encode_text
+
     with torch.no_grad():
         if guidance.mode == "noisy":
             logits = guidance.classifier(x, torch.full((len(x),), t))
@@ -356,11 +358,14 @@ def _log_prob(guidance, x, t, labels, eps=None):
             abar = guidance._abar(t, x)
             x0 = (x - (1 - abar).sqrt() * eps) / abar.sqrt()
             images = guidance.vae.decode(x0 / guidance.vae.config.scaling_factor).sample
+            if guidance.mode == "clip":  # the CLIP score, 100 cos(image, prompt)
+                model, tokenizer = guidance.classifier
+                return 100 * (encode_images(model, images) * encode_text(model, tokenizer, labels)).sum()
             logits = guidance.classifier(images)
         return torch.log_softmax(logits.double(), 1).gather(1, labels.view(-1, 1)).sum()
 
 
-@pytest.mark.parametrize("mode", ["noisy", "x0"])
+@pytest.mark.parametrize("mode", ["noisy", "x0", "clip"])
 def test_guidance_gradient_equals_a_finite_difference(pipe, tiny_guide, mode):
     import copy
 
@@ -370,11 +375,11 @@ def test_guidance_gradient_equals_a_finite_difference(pipe, tiny_guide, mode):
     guidance.use_pipeline(pipe)
     guidance.attach(pipe.unet)
     guidance.detach()
-    guidance.classifier.double()  # float64 throughout: the finite difference then resolves the gradient
-    guidance.vae = copy.deepcopy(pipe.vae).double()
+    (guidance.classifier[0] if mode == "clip" else guidance.classifier).double()  # float64 throughout: the
+    guidance.vae = copy.deepcopy(pipe.vae).double()  # finite difference then resolves the gradient
     generator = torch.Generator().manual_seed(0)
     x, eps = torch.randn(2, 4, 8, 8, generator=generator).double(), torch.randn(2, 4, 8, 8, generator=generator).double()
-    labels, t = torch.tensor([3, 7]), 400
+    labels, t = (PROMPTS if mode == "clip" else torch.tensor([3, 7])), 400
     grad = guidance.gradient(x, t, labels, eps)
     for _ in range(3):
         v = torch.randn(x.shape, generator=generator).double()
@@ -495,3 +500,25 @@ def test_x0_guidance_runs_in_bfloat16(pipe, tiny_guide):
             images = half(PROMPTS, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
                           output_type="pt").images
         assert torch.isfinite(images).all(), mode
+
+
+def test_clip_guidance_steers_empty_prompts_towards_their_captions(pipe):
+    """Guidance by the digits CLIP's score of the decoded x0 lifts the prompt accuracy of empty-prompt samples,
+    judged by the digits classifier (a network the guide does not use)."""
+    from distill.accelerate import ClassifierGuidance
+    from distill.models.classifier import DigitClassifier
+
+    judge = DigitClassifier.from_pretrained(asset_path("classifier")).eval()
+    captions = [f"a handwritten digit {d}" for d in range(10)] * 2
+    labels = torch.arange(10).repeat(2)
+
+    def accuracy(guidance):
+        with accelerated(pipe, guidance):
+            if guidance is not None:
+                guidance.use_prompts(captions)
+            images = pipe([""] * len(captions), num_inference_steps=10, guidance_scale=1.0,
+                          generator=torch.Generator().manual_seed(0), output_type="pt").images
+        with torch.no_grad():
+            return (judge(images * 2 - 1).argmax(1) == labels).float().mean().item()
+
+    assert accuracy(None) < 0.3 < 0.4 < accuracy(ClassifierGuidance(scale=0.03, mode="clip"))

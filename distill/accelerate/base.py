@@ -52,6 +52,9 @@ class Accelerator:
     def use_labels(self, labels: torch.Tensor | None) -> None:
         """The class label of each prompt of the next calls (-1: none), for guidance by a classifier."""
 
+    def use_prompts(self, prompts: list[str] | None) -> None:
+        """The prompts of the next calls (also where the pipeline samples the empty one), for guidance by CLIP."""
+
 
 class NoAccelerator(Accelerator):
     """Plain sampling (the ``none`` option of a sweep)."""
@@ -94,6 +97,10 @@ class Chain(Accelerator):
     def use_labels(self, labels: torch.Tensor | None) -> None:
         for part in self.parts:
             part.use_labels(labels)
+
+    def use_prompts(self, prompts: list[str] | None) -> None:
+        for part in self.parts:
+            part.use_prompts(prompts)
 
 
 class CallHook(ModelHook):

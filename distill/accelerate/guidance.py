@@ -8,13 +8,17 @@ digits asset ``noisy_classifier`` by default). ``mode=x0`` needs no noise-aware 
 prediction of the clean image, x0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t), with a classifier of clean
 images (the digits FID classifier by default) and carries the gradient back to x_t through x0 with eps held
 fixed (grad_x = grad_x0 / sqrt(abar_t)), the usual approximation of guidance through the predicted x0.
+``mode=clip`` does the same with a CLIP model's score of the decoded x0 against each sample's prompt,
+100 cos(image, prompt) (CLIPScore's scale; the digits CLIP asset by default, which also computes the CLIP score
+metric, so that metric then judges the guide by itself; FID and prompt accuracy do not).
 
 It is an alternative to classifier-free guidance (one UNet pass a step instead of two, plus the classifier's
 forward and backward), and combines with it: under CFG the UNet batch holds the unconditional and conditional
 halves (the same x_t), the gradient is taken once (in x0 mode at the x0 of the CFG-combined prediction) and both
 halves get the same term, so the guided prediction is CFG's plus the classifier term once. A prompt whose
-label is unknown (-1) is sampled unguided. Labels come from the sampler (``use_labels``; ``distill.evaluate``
-passes the evaluation set's) or the ``labels`` option (repeated over the batch).
+label is unknown (-1) is sampled unguided. Labels and prompts come from the sampler (``use_labels`` /
+``use_prompts``; ``distill.evaluate`` passes the evaluation set's, also under ``null_prompts``) or the ``labels``
+/ ``prompts`` options.
 """
 
 from __future__ import annotations
@@ -28,26 +32,32 @@ from distill.accelerate.base import Accelerator, add_hook, like_output, output_t
 
 log = logging.getLogger(__name__)
 HOOK = "distill_classifier_guidance"
-MODES = ("noisy", "x0")
-DEFAULT_ASSET = {"noisy": "noisy_classifier", "x0": "classifier"}
+MODES = ("noisy", "x0", "clip")
+DEFAULT_ASSET = {"noisy": "noisy_classifier", "x0": "classifier", "clip": "clip"}
 
 
 def load_guide(mode: str, path: str | None):
-    """The guiding classifier of ``mode`` from ``path`` (default: the digits asset), in eval mode."""
+    """The guide of ``mode`` from ``path`` (default: the digits asset), in eval mode: a ``NoisyLatentClassifier``,
+    a ``DigitClassifier``, or a (CLIPModel, CLIPTokenizer) pair."""
     from distill.assets import asset_path
 
     folder = Path(path) if path is not None else asset_path(DEFAULT_ASSET[mode])
     if not (folder / "config.json").is_file():
+        kind = {"noisy": "NoisyLatentClassifier", "x0": "DigitClassifier", "clip": "CLIP model"}[mode]
         raise FileNotFoundError(f"accelerate.options.classifier={str(folder)!r} holds no config.json; give the "
-                                f"folder of a {'NoisyLatentClassifier' if mode == 'noisy' else 'DigitClassifier'}")
+                                f"folder of a {kind}")
     if mode == "noisy":
         from distill.models.noisy_classifier import NoisyLatentClassifier
 
         model = NoisyLatentClassifier.from_pretrained(folder)
-    else:
+    elif mode == "x0":
         from distill.models.classifier import DigitClassifier
 
         model = DigitClassifier.from_pretrained(folder)
+    else:
+        from transformers import CLIPModel, CLIPTokenizer
+
+        return CLIPModel.from_pretrained(folder).eval().requires_grad_(False), CLIPTokenizer.from_pretrained(folder)
     return model.eval().requires_grad_(False)
 
 
@@ -57,7 +67,7 @@ class ClassifierGuidance(Accelerator):
     name = "classifier"
 
     def __init__(self, scale: float = 1.0, mode: str = "noisy", classifier: str | None = None,
-                 labels: list[int] | None = None):
+                 labels: list[int] | None = None, prompts: list[str] | None = None):
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
             raise ValueError(f"accelerate.options.scale={scale!r} must be a number >= 0 (0 = unguided)")
         if mode not in MODES:
@@ -65,6 +75,8 @@ class ClassifierGuidance(Accelerator):
         self.scale, self.mode, self.path = float(scale), mode, classifier
         self.fixed_labels = None if labels is None else torch.as_tensor(list(labels), dtype=torch.long)
         self.labels = self.fixed_labels
+        self.fixed_prompts = None if prompts is None else list(prompts)
+        self.prompts, self._text = self.fixed_prompts, None
         self.classifier, self.alphas_cumprod, self.vae, self.pipe = None, None, None, None
         self.guidance_scale, self.uncond_first = None, True
         if mode == "x0" and classifier is None:
@@ -80,6 +92,10 @@ class ClassifierGuidance(Accelerator):
 
     def use_scheduler(self, name: str, guidance_scale: float | None = None) -> None:
         self.guidance_scale = guidance_scale
+
+    def use_prompts(self, prompts: list[str] | None) -> None:
+        self.prompts = self.fixed_prompts if self.fixed_prompts is not None else (
+            None if prompts is None else list(prompts))
 
     def use_pipeline(self, pipe) -> None:
         config = pipe.scheduler.config
@@ -103,10 +119,11 @@ class ClassifierGuidance(Accelerator):
                 raise ValueError(f"accelerate.options.classifier: the guide takes {want[0]}x{want[1]}x{want[1]} "
                                  f"latents, the UNet makes {have[0]}x{have[1]}x{have[1]}; give a classifier of this "
                                  "model's latents")
-        elif self.vae is None and config.get("in_channels") != self.classifier.in_channels:
+        elif self.mode == "x0" and self.vae is None and config.get("in_channels") != self.classifier.in_channels:
             raise ValueError("accelerate.options.mode=x0 decodes the predicted x0 with the pipeline's VAE; this "
                              "pipeline has none and its samples do not fit the classifier")
-        self.classifier.to(next(unet.parameters()).device)
+        model = self.classifier[0] if self.mode == "clip" else self.classifier
+        model.to(next(unet.parameters()).device)
         add_hook(unet, HOOK, self._call)
         super().attach(unet)
 
@@ -115,8 +132,11 @@ class ClassifierGuidance(Accelerator):
             remove_hook(self.unet, HOOK)
         super().detach()
 
-    def gradient(self, x: torch.Tensor, t, labels: torch.Tensor, eps: torch.Tensor | None = None) -> torch.Tensor:
-        """grad_x log p(labels | x_t) (noisy), or its x0 approximation (x0: ``eps`` held fixed)."""
+    def gradient(self, x: torch.Tensor, t, labels: torch.Tensor | list[str], eps: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """grad_x log p(labels | x_t) (noisy), or its approximation through x0 (``eps`` held fixed): of the
+        classifier's log-probability (x0), or of the CLIP score 100 cos(image, prompt) (clip, ``labels`` the
+        prompts)."""
         abar = self._abar(t, x)
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least float32 (float64 stays, for checks)
         with torch.enable_grad():
@@ -129,11 +149,29 @@ class ClassifierGuidance(Accelerator):
                 images = inp
                 if self.vae is not None:  # decoded in the VAE's dtype; unclamped, so that every pixel steers
                     images = self.vae.decode((inp / self.vae.config.scaling_factor).to(self.vae.dtype)).sample
-                param = next(self.classifier.parameters())
-                logits = self.classifier(images.to(param.dtype))
-            logp = torch.log_softmax(logits.to(dtype), dim=1).gather(1, labels.view(-1, 1)).sum()
+                if self.mode == "clip":
+                    from distill.models.clip import encode_images
+
+                    model = self.classifier[0]
+                    cos = (encode_images(model, images.to(model.dtype)) * self._text_embeddings(labels)).sum(-1)
+                    logp = 100.0 * cos.to(dtype).sum()  # CLIPScore's scale (w = 100)
+                else:
+                    param = next(self.classifier.parameters())
+                    logits = self.classifier(images.to(param.dtype))
+            if self.mode != "clip":
+                logp = torch.log_softmax(logits.to(dtype), dim=1).gather(1, labels.view(-1, 1)).sum()
             grad = torch.autograd.grad(logp, inp)[0]
         return grad if self.mode == "noisy" else grad / abar.sqrt()
+
+    def _text_embeddings(self, prompts: list[str]) -> torch.Tensor:
+        """Unit-norm CLIP embeddings of ``prompts`` (cached for the last batch of prompts)."""
+        from distill.models.clip import encode_text
+
+        key = tuple(prompts)
+        if self._text is None or self._text[0] != key:
+            with torch.no_grad():
+                self._text = key, encode_text(self.classifier[0], self.classifier[1], list(prompts))
+        return self._text[1]
 
     def _abar(self, t, x: torch.Tensor) -> torch.Tensor:
         """abar at timestep t, linearly interpolated between integer timesteps (schedulers with fractional ones)."""
@@ -155,12 +193,15 @@ class ClassifierGuidance(Accelerator):
 
     def _call(self, forward, *args, **kwargs):
         out = forward(*args, **kwargs)
-        if self.scale == 0 or self.labels is None:
+        if self.scale == 0 or (self.prompts if self.mode == "clip" else self.labels) is None:
             return out
         x = args[0] if args else kwargs["sample"]
         t = args[1] if len(args) > 1 else kwargs["timestep"]
-        labels = self.labels.to(x.device)
         halves = 2 if self._cfg() else 1
+        if self.mode == "clip":  # every prompt steers (an empty one towards the empty caption)
+            labels = torch.arange(len(self.prompts), device=x.device)  # indices into the prompts
+        else:
+            labels = self.labels.to(x.device)
         if len(x) % (halves * len(labels)):
             raise ValueError(f"{len(labels)} labels for a UNet batch of {len(x)}")
         # diffusers repeats each prompt's images next to each other (num_images_per_prompt)
@@ -171,12 +212,13 @@ class ClassifierGuidance(Accelerator):
         eps = output_tensor(out)
         n = len(labels)
         x_one, eps_one = x[:n], eps[:n]  # under CFG both halves see the same x_t
-        if halves == 2 and self.mode == "x0":
+        if halves == 2 and self.mode != "noisy":
             # x0 from the guided prediction the sampler will use: one term, added after CFG
             w = float(self.guidance_scale if self.guidance_scale is not None else self.pipe._guidance_scale)
             uncond, cond = (eps[:n], eps[n:]) if self.uncond_first else (eps[n:], eps[:n])
             eps_one = uncond + w * (cond - uncond)
-        grad = self.gradient(x_one, t, labels.clamp_min(0), eps_one)
+        targets = [self.prompts[i] for i in labels.tolist()] if self.mode == "clip" else labels.clamp_min(0)
+        grad = self.gradient(x_one, t, targets, eps_one)
         shift = (1 - self._abar(t, x)).sqrt() * self.scale * grad * guided.view(-1, 1, 1, 1)
         shift = shift.repeat(halves, 1, 1, 1)  # the same term on both halves: CFG keeps it once
         return like_output(out, (eps.float() - shift).to(eps.dtype))

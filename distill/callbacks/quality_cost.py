@@ -34,6 +34,7 @@ class MethodSampler:
         batch = {"caption": list(captions), "label": labels}
         if self.accelerator is not None:
             self.accelerator.use_labels(labels)
+            self.accelerator.use_prompts(list(captions))
         pipe = self.method.pipeline(scheduler) if self.accelerator is not None else None  # its scheduler and VAE
         with accelerated_unet(self.unet, self.accelerator, steps, scheduler, guidance_scale, pipe):
             return self.method.generate(batch, generator, num_inference_steps=steps, guidance_scale=guidance_scale,

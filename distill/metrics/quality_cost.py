@@ -57,6 +57,7 @@ class PipelineSampler:
         if self.accelerator is not None:
             self.accelerator.use_scheduler(scheduler, guidance_scale or 1.0)
             self.accelerator.use_labels(labels)
+            self.accelerator.use_prompts(list(captions))
         prompts = [""] * len(captions) if self.null_prompts else list(captions)
         with accelerated(self.pipe, self.accelerator):
             out = self.pipe(prompts, num_inference_steps=steps, guidance_scale=guidance_scale or 1.0,
