@@ -42,7 +42,9 @@ run teacher-ddim50-cfg1-classifier "${g[@]}" guidance_scale=1 accelerate=classif
 run teacher-ddim50-cfg3-classifier "${g[@]}" guidance_scale=3 accelerate=classifier
 run teacher-ddim50-null "${g[@]}" guidance_scale=1 null_prompts=true
 run teacher-ddim50-null-classifier "${g[@]}" guidance_scale=1 null_prompts=true accelerate=classifier
-# (classifier_x0 is not measured here: its default guide is the digits classifier that computes FID and accuracy)
+run teacher-ddim50-null-clip "${g[@]}" guidance_scale=1 null_prompts=true accelerate=classifier_clip
+# (classifier_x0 is not measured here: its default guide is the digits classifier that computes FID and accuracy;
+# classifier_clip's guide is the digits CLIP, which computes the CLIP score: that column judges it by itself)
 if [ -n "$LCM" ]; then
   run lcm4 pipeline="$LCM" scheduler=lcm "steps=[4]"
   run lcm4-deepcache2 pipeline="$LCM" scheduler=lcm "steps=[4]" accelerate=deepcache accelerate.options.interval=2

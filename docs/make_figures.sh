@@ -71,7 +71,8 @@ for d in teacher-ddim50 teacher-ddim50-deepcache2 teacher-ddim50-deepcache3 teac
   teacher-dpmsolver20-deepcache3 teacher-dpmsolver20-deepcache5 teacher-dpmsolver20-deepcache5nu \
   teacher-dpmsolver20-taylor2 teacher-dpmsolver20-taylor3 teacher-dpmsolver20-taylor4 teacher-dpmsolver20-taylor5 \
   teacher-dpmsolver20-fitted2 teacher-dpmsolver20-deepcache3+taylor2 teacher-ddim50-cfg1 teacher-ddim50-cfg1-classifier \
-  teacher-ddim50-null teacher-ddim50-null-classifier lcm4 lcm4-deepcache2 lcm4-taylor; do
+  teacher-ddim50-cfg3-classifier teacher-ddim50-null teacher-ddim50-null-classifier teacher-ddim50-null-clip lcm4 \
+  lcm4-deepcache2 lcm4-taylor; do
   specs+=("$d=$a/$d/quality_cost.csv")
 done
 $PY bench/compress_table.py "${specs[@]}" --out docs/accelerate_quality_cost.csv --plot docs/accelerate_pareto.png \
