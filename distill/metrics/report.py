@@ -133,7 +133,11 @@ def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", fl
     ax.set_xlabel("latency per image (s)" if x == "latency_s" else x)
     ax.set_ylabel(y.upper() if y == "fid" else y)
     ax.set_title(title)
-    ax.legend(fontsize=7)
+    if len(series) > 8:  # many series: the legend beside the axes, not over the points
+        fig.set_size_inches(9.5, 4.8)
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    else:
+        ax.legend(fontsize=7)
     return save_figure(fig, path)
 
 
