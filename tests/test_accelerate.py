@@ -52,6 +52,7 @@ def test_interval_1_and_no_prediction_equal_plain_sampling_and_hooks_go_away(pip
         images, n = _sample(pipe, accelerator, scheduler=scheduler)
         assert torch.equal(images, plain) and n == calls == 8, accelerator.describe()
     assert not getattr(pipe.unet, "_diffusers_hook", None) or not pipe.unet._diffusers_hook.hooks
+    assert "forward" not in pipe.unet.__dict__  # the class's forward again, no wrapper left behind
     assert "progress_bar" not in pipe.__dict__
     again, _ = _sample(pipe, None, scheduler=scheduler)
     assert torch.equal(again, plain)
@@ -443,6 +444,7 @@ def test_a_chain_forecasts_steps_and_caches_features_on_the_computed_ones(pipe):
     forecast_only, n_forecast = _sample(pipe, Forecast(interval=2), 8, "ddim")
     images, n = _sample(pipe, chain, 8, "ddim")
     assert n == n_forecast == len(real_steps(8, 2, 2, 1)) and torch.isfinite(images).all()
+    assert "forward" not in pipe.unet.__dict__  # every hook of the chain removed
     cache = chain.parts[0]
     assert cache.step == n - 1  # the cache counted the computed calls only
     assert not torch.equal(images, forecast_only)

@@ -119,9 +119,18 @@ def add_hook(module: torch.nn.Module, name: str, fn) -> None:
 
 
 def remove_hook(module: torch.nn.Module, name: str) -> None:
+    """Remove hook ``name`` of ``module``; it must be the last one registered there (diffusers' registry rewires
+    a removed inner hook's wrapper, not the outer hook's reference to it). With none left, ``module.forward`` is
+    the class's again."""
     registry = getattr(module, "_diffusers_hook", None)
-    if registry is not None and registry.get_hook(name) is not None:
-        registry.remove_hook(name, recurse=False)
+    if registry is None or registry.get_hook(name) is None:
+        return
+    if registry._hook_order[-1] != name:
+        raise RuntimeError(f"hook {name!r} of {type(module).__name__} is wrapped by {registry._hook_order[-1]!r}; "
+                           "remove hooks in the reverse order of adding them")
+    registry.remove_hook(name, recurse=False)
+    if not registry.hooks:
+        module.__dict__.pop("forward", None)
 
 
 def _reset_on_call(pipe, accelerator: Accelerator):

@@ -205,12 +205,13 @@ class DeepCache(Accelerator):
         return self.active.layer_call(module_id, forward, *args, **kwargs)
 
     def detach(self) -> None:
-        for cache in self.caches:
-            cache.remove()
-        for module in self.layers:
-            remove_hook(module, HOOK)
+        # last registered first: diffusers' registry cannot unwire a hook that a later one wraps
         if getattr(self, "unet", None) is not None:
             remove_hook(self.unet, STEP_HOOK)
+        for module in self.layers:
+            remove_hook(module, HOOK)
+        for cache in reversed(self.caches):
+            cache.remove()
         self.caches, self.layers, self.active = [], [], None
         super().detach()
 
