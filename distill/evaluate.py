@@ -113,14 +113,15 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
             save_grid(evaluator.grid(images, seeds), out_dir / "grids" / f"{model}-{row['scheduler']}-{row['steps']}.png",
                       seeds, evaluator.grid_prompts())
 
-    for _, make in accelerators:  # coefficients a fitted forecaster needs exist, before any sampling
-        check = getattr(make(pipeline=str(cfg.pipeline)), "check", None)
+    built = [(label, make(pipeline=str(cfg.pipeline))) for label, make in accelerators]
+    for _, accelerator in built:  # coefficients a fitted forecaster needs exist, before any sampling
+        check = getattr(accelerator, "check", None)
         for name in names if check else []:
             for n in steps:
                 check(name, n, guidance)
     rows = []
-    for label, make in accelerators:
-        sampler.accelerator = make(pipeline=str(cfg.pipeline))
+    for label, accelerator in built:
+        sampler.accelerator = accelerator
         rows += [{**row, "accelerate": label} for row in evaluator.sweep(
             sampler, model if label == "none" else f"{model}+{label}", [(name, n) for name in names for n in steps],
             guidance, on_row=report)]

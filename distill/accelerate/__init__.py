@@ -33,10 +33,7 @@ ACCELERATE_CONF = Path(__file__).resolve().parents[1] / "conf" / "accelerate"
 
 
 def accelerator_options(name: str) -> dict:
-    """The ``options`` of the package's ``conf/accelerate/<name>.yaml`` (a named preset of an accelerator);
-    for a chain ``a+b``, the last part's (each part is checked)."""
-    if "+" in name:
-        return [accelerator_options(part) for part in name.split("+")][-1]
+    """The kind and ``options`` of the package's ``conf/accelerate/<name>.yaml`` (a named preset)."""
     path = ACCELERATE_CONF / f"{name}.yaml"
     if not path.is_file():
         presets = sorted(p.stem for p in ACCELERATE_CONF.glob("*.yaml"))

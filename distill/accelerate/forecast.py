@@ -170,6 +170,7 @@ class Forecast(Accelerator):
         self._given_scheduler, self.guidance_scale, self._given_guidance = scheduler, guidance_scale, guidance_scale
         self.pipe = None
         self.fitted: FittedForecaster | None = None
+        self._fits: dict[tuple, FittedForecaster] = {}
         self.num_inference_steps, self.real = None, None
         self.history: list[tuple[int, torch.Tensor]] = []
         self.taylor = None
@@ -192,8 +193,15 @@ class Forecast(Accelerator):
             if self.path is None:
                 raise ValueError("accelerate.options.predictor=fitted needs the forecaster's folder: set "
                                  "accelerate.options.path=... (distill.evaluate passes the pipeline's)")
-            load_forecaster(self.path, self._given_scheduler or scheduler, num_steps, self.pattern(num_steps),
-                            self._given_guidance if self._given_guidance is not None else guidance_scale)
+            self._coefficients(self._given_scheduler or scheduler, num_steps,
+                               self._given_guidance if self._given_guidance is not None else guidance_scale)
+
+    def _coefficients(self, scheduler: str, num_steps: int, guidance_scale: float | None) -> FittedForecaster:
+        """The fitted coefficients for this call, read from forecaster.json once per (scheduler, steps, guidance)."""
+        key = (scheduler, num_steps, guidance_scale)
+        if key not in self._fits:
+            self._fits[key] = load_forecaster(self.path, scheduler, num_steps, self.pattern(num_steps), guidance_scale)
+        return self._fits[key]
 
     def pattern(self, num_steps: int) -> list[int]:
         return real_steps(num_steps, self.interval, self.warmup, self.last, self.steps)
@@ -223,8 +231,7 @@ class Forecast(Accelerator):
             if self.path is None or self.scheduler is None:
                 raise ValueError("accelerate.options.predictor=fitted needs the forecaster's folder and scheduler "
                                  "(distill.evaluate passes the pipeline's; set accelerate.options.path=...)")
-            self.fitted = load_forecaster(self.path, self.scheduler, num_inference_steps, sorted(self.real),
-                                          self.guidance_scale)
+            self.fitted = self._coefficients(self.scheduler, num_inference_steps, self.guidance_scale)
             used = type(self.pipe.scheduler).__name__ if self.pipe is not None else None
             if used is not None and self.fitted.scheduler_class not in (None, used):
                 raise ValueError(f"the forecaster for {self.fitted.key} was fitted on {self.fitted.scheduler_class} "

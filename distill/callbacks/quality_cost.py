@@ -70,10 +70,10 @@ class QualityCostCallback(L.Callback):
         grid_seeds: int = 4,
         accelerators: tuple[str, ...] = ("none",),
     ):
-        from distill.accelerate import accelerator_options
+        from distill.accelerate import preset
 
-        for name in accelerators:  # a bad preset fails when the callback is built, before any training
-            accelerator_options(name)
+        for name in accelerators:  # a bad preset (or chain of presets) fails when the callback is built
+            preset(name)
         self.eval_set = eval_set
         self.every_n_steps, self.schedulers = every_n_steps, list(schedulers)
         self.steps = list(steps) if steps is not None else None
