@@ -110,7 +110,7 @@ class _UNetCache:
         self.unet, self.owner = unet, owner
         self.deep = [(name, m) for name, m, depth in layers if depth > branch]
         self.full, self.key = True, None
-        self.outputs: dict[str, object] = {}
+        self.outputs: dict[int, object] = {}  # by id of the deep module
         add_hook(unet, HOOK, self._unet_call)
 
     def _unet_call(self, forward, *args, **kwargs):
