@@ -24,6 +24,7 @@ from distill.diffusion.timesteps import TIMESTEP_SAMPLERS
 from distill.inference.schedulers import SCHEDULERS
 from distill.models.moe import SPLITS
 from distill.models.unet import UNET_SIZES
+from distill.serve.engine import MODES
 
 # ---------------------------------------------------------------- fixed sets of choices
 
@@ -37,6 +38,7 @@ UNetSize = choice("UNetSize", UNET_SIZES)
 ExpertSplit = choice("ExpertSplit", SPLITS)
 MonitorMode = choice("MonitorMode", ("min", "max"))
 AcceleratorKind = choice("AcceleratorKind", ("none", "deepcache", "forecast", "classifier"))
+ServeMode = choice("ServeMode", MODES)
 
 # ---------------------------------------------------------------- data
 
@@ -280,6 +282,28 @@ class FitForecasterConfig:
     out: str | None = None  # default: the pipeline folder (a folder inside the package or a hub id: the run dir)
 
 
+# the engine's own settings (its signature's defaults); the entry point passes the pipeline and the request defaults
+EngineConfig = builds("EngineConfig", "distill.serve.engine.Engine", choices={"mode": ServeMode},
+                      exclude=("pipe", "steps", "guidance_scale", "scheduler", "own_scheduler", "accelerator", "metrics"))
+
+
+@dataclass
+class ServeConfig:
+    pipeline: str = MISSING  # a diffusers pipeline folder or hub id (StableDiffusionPipeline layout)
+    # a request's defaults: the command line's, else the export's intended call (distill.json), else the pipeline's own
+    scheduler: str | None = None  # a scheduler name (conf/scheduler); default: the pipeline's own
+    steps: int | None = None
+    guidance_scale: float | None = None
+    accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)  # on every call (not with engine.mode=stream)
+    engine: Any = field(default_factory=EngineConfig)  # batching, stages, queue, deadlines (distill.serve.engine.Engine)
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the log line names it)
+    device: str | None = None  # default: cuda when available, else cpu
+    dtype: str = "float32"  # float32, float16 or bfloat16
+    threads: int | None = None  # torch intra-op threads; default: torch's
+    drain_timeout_s: float = 60.0  # on SIGTERM: how long requests in flight may take to finish
+
+
 SCHEMAS: dict[str, dict[str, type]] = {
     "callbacks": {"ema": EMACallbackConfig, "samples": SampleGridCallbackConfig, "quality_cost": QualityCostCallbackConfig,
                   "progress": ProgressBarCallbackConfig, "lr_monitor": LRMonitorCallbackConfig},
@@ -309,6 +333,7 @@ def register_configs() -> None:
     cs.store(name="base_sample", node=SampleConfig)
     cs.store(name="base_evaluate", node=EvaluateConfig)
     cs.store(name="base_fit_forecaster", node=FitForecasterConfig)
+    cs.store(name="base_serve", node=ServeConfig)
     for group, nodes in SCHEMAS.items():
         for name, node in nodes.items():
             cs.store(group=group, name=f"base_{name}", node=node)

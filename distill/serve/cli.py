@@ -1,0 +1,126 @@
+"""``python -m distill.serve`` / ``distill-serve``: serve any exported pipeline over HTTP (see distill.serve.app).
+
+    python -m distill.serve pipeline=<dir or hub id>
+    python -m distill.serve pipeline=<export> engine.mode=stream engine.max_batch_size=16 port=8000
+    python -m distill.serve pipeline=<teacher> scheduler=dpmsolver steps=20 accelerate=forecast engine.mode=pipeline
+
+Request defaults: the command line's ``scheduler``/``steps``/``guidance_scale``, else the export's intended call
+(its distill.json), else the pipeline's own call defaults. Bad settings exit 2 before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import socket
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from distill.config.schema import register_configs
+from distill.utils.loggers import register_resolvers
+
+log = logging.getLogger(__name__)
+
+register_configs()
+register_resolvers()
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def call_defaults(pipe) -> tuple[int, float]:
+    """The step count and guidance of ``pipe(prompt)``: a distill pipeline's registered defaults, else the
+    defaults of the pipeline class's ``__call__``."""
+    config = pipe.config
+    if "default_num_inference_steps" in config:
+        return int(config.default_num_inference_steps), float(config.default_guidance_scale)
+    params = inspect.signature(type(pipe).__call__).parameters
+    steps, guidance = params.get("num_inference_steps"), params.get("guidance_scale")
+    return (int(steps.default) if steps is not None and steps.default else 50,
+            float(guidance.default) if guidance is not None and guidance.default is not None else 1.0)
+
+
+def _check(cfg: DictConfig) -> None:
+    """What the schema cannot check, before anything is loaded."""
+    from distill.config.validate import missing_keys
+    from distill.inference.schedulers import SCHEDULERS
+
+    missing = missing_keys(cfg)
+    if missing:
+        raise ValueError(f"required value(s) missing: {', '.join(missing)}; e.g. {missing[0]}=<pipeline folder>")
+    if cfg.scheduler is not None and cfg.scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler={cfg.scheduler!r} is unknown; use one of {sorted(SCHEDULERS)}")
+    if cfg.steps is not None and not 1 <= cfg.steps <= cfg.engine.max_steps:
+        raise ValueError(f"steps={cfg.steps} must lie in [1, engine.max_steps={cfg.engine.max_steps}]")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype={cfg.dtype!r} is unknown; use one of {list(DTYPES)}")
+    if not 0 <= cfg.port < 65536:
+        raise ValueError(f"port={cfg.port} must lie in [0, 65535] (0: any free port)")
+    if cfg.accelerate.kind != "none" and cfg.engine.mode == "stream":
+        raise ValueError(f"accelerate={cfg.accelerate.kind} keeps state along one trajectory, and engine.mode=stream "
+                         "batches requests at different steps; set engine.mode=pipeline (or batch)")
+
+
+def build(cfg: DictConfig):
+    """(engine, model name) from a composed serve config."""
+    import torch
+
+    from distill.accelerate import make_accelerator
+    from distill.inference.loading import load_pipeline, pipeline_defaults
+    from distill.serve.engine import Engine
+    from distill.serve.metrics import ServeMetrics
+
+    node = OmegaConf.to_container(cfg.accelerate, enum_to_str=True)
+    accelerator = make_accelerator(str(node["kind"]), dict(node.get("options") or {}), path=str(cfg.pipeline))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    pipe = load_pipeline(str(cfg.pipeline))
+    for name in ("encode_prompt", "unet", "vae"):
+        if not hasattr(pipe, name):
+            raise ValueError(f"pipeline={cfg.pipeline!r} is a {type(pipe).__name__}; distill.serve serves text-to-image "
+                             "pipelines of the StableDiffusionPipeline layout (encode_prompt, unet, vae)")
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pipe.to(device)
+    if cfg.dtype != "float32":
+        pipe.to(dtype=getattr(torch, cfg.dtype))
+    defaults = pipeline_defaults(str(cfg.pipeline))
+    steps, guidance = call_defaults(pipe)
+    steps = cfg.steps or defaults.get("num_inference_steps") or steps
+    guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", guidance)
+    settings = OmegaConf.to_container(cfg.engine, enum_to_str=True)
+    settings.pop("_target_", None)
+    engine = Engine(pipe, steps=int(steps), guidance_scale=float(guidance), scheduler=cfg.scheduler,
+                    own_scheduler=defaults.get("name"), accelerator=accelerator, metrics=ServeMetrics(), **settings)
+    return engine, str(cfg.pipeline)
+
+
+def serve(cfg: DictConfig) -> None:
+    import uvicorn
+
+    from distill.serve.app import create_app
+
+    _check(cfg)
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((cfg.host, cfg.port))  # before the model loads: a taken port fails at once
+    except OSError as err:
+        raise ValueError(f"cannot listen on {cfg.host}:{cfg.port} ({err.strerror}); choose another port=") from err
+    engine, model = build(cfg)
+    app = create_app(engine, model, cfg.drain_timeout_s)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.drain_timeout_s))
+    host, port = sock.getsockname()[:2]
+    print(f"distill.serve: {model} ({engine.mode} mode, batch {engine.max_batch_size}, {engine.default_steps} steps, "
+          f"guidance {engine.default_guidance}) on http://{host}:{port}", flush=True)
+    server.run(sockets=[sock])
+    print("distill.serve: stopped", flush=True)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
+def main(cfg: DictConfig) -> None:
+    try:
+        serve(cfg)
+    except (ValueError, FileNotFoundError, OSError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,623 @@
+"""The generation engine behind ``distill.serve``: dynamic batching, pipelined stages and stream batching for
+any Stable-Diffusion-format pipeline (teacher, LCM, progressive, MoE or compressed student, with or without a
+training-free accelerator).
+
+A request (a :class:`Job`: prompts, seeds, steps, guidance, size, scheduler) passes three stages, each a
+batch at a time: text encoding, denoising, VAE decoding (+ PNG encoding). ``mode`` chooses how:
+
+- ``sequential``: one job at a time, the three stages one after another (the baseline);
+- ``batch``: dynamic batching: jobs that can share one pipeline call (same size, steps, guidance and
+  scheduler) wait up to ``max_wait_ms`` to fill ``max_batch_size`` images; the stages run one after another;
+- ``pipeline``: the same batches, each stage in its own thread, connected by bounded queues, so that batch
+  i+1 is encoded and batch i-1 decoded while batch i denoises (on a GPU each stage runs on its own CUDA stream);
+- ``stream``: pipelined stages, and the denoiser batches *steps*, not requests (StreamDiffusion's stream batch,
+  Kodaira et al. 2023, the continuous batching of LLM servers): every denoiser call advances each active job
+  by one step of its own scheduler, so jobs that arrived at different times, with different step counts,
+  guidance scales or schedulers share one UNet batch, and a finished job leaves at once while a new one joins.
+
+Every image's noise comes from its own ``torch.Generator`` seeded with its seed (the initial latents and any
+noise a stochastic scheduler draws), so an image depends on its seed and request, not on what it was
+batched with. Modes ``sequential``/``batch``/``pipeline`` call the pipeline itself (``output_type="latent"``)
+with the encoded prompts: its own loop, hooks and accelerators. ``stream`` runs the loop of diffusers'
+``StableDiffusionPipeline.__call__`` per job (scale input, UNet, classifier-free guidance or the guidance
+embedding, scheduler step), batched across jobs.
+
+Backpressure: at most ``queue_size`` jobs wait to enter the first stage (:class:`QueueFull` beyond it, the
+HTTP layer's 429), stage queues hold ``stage_queue_size`` batches, the stream denoiser at most
+``max_batch_size`` images: memory is bounded under any load. A job past its deadline, or whose future was
+cancelled, is dropped at the next stage boundary (or denoising step, in stream mode) with
+:class:`DeadlineExceeded`.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODES = ("sequential", "batch", "pipeline", "stream")
+STAGES = ("encode", "denoise", "decode")
+
+
+class QueueFull(RuntimeError):
+    """The engine holds ``queue_size`` waiting jobs: retry after ``retry_after`` seconds."""
+
+    def __init__(self, depth: int, retry_after: float):
+        super().__init__(f"{depth} requests are waiting (queue_size); retry after {retry_after:.0f} s")
+        self.retry_after = retry_after
+
+
+class DeadlineExceeded(TimeoutError):
+    """The job's deadline passed before it finished; its remaining work was dropped."""
+
+
+class Draining(RuntimeError):
+    """The engine is shutting down: it finishes the jobs it holds and takes no new ones."""
+
+
+@dataclass
+class Job:
+    """One request: ``len(prompts)`` images, image i from seed ``seeds[i]``."""
+
+    prompts: list[str]
+    seeds: list[int]
+    steps: int
+    guidance_scale: float
+    height: int
+    width: int
+    scheduler: str | None = None  # a distill.inference.schedulers name; None: the pipeline's own
+    timeout_s: float | None = None
+    future: Future = field(default_factory=Future)
+    id: int = 0
+    submitted: float = 0.0
+    deadline: float = float("inf")
+    # filled by the stages
+    embeds: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    timings: dict = field(default_factory=dict)  # stage -> seconds of the batch the job was in
+    batch_sizes: dict = field(default_factory=dict)  # stage -> images in that batch (denoise: largest)
+    # stream denoising state
+    sched: object = None
+    timesteps: torch.Tensor | None = None
+    index: int = 0
+    cfg: bool = False
+    step_kwargs: dict = field(default_factory=dict)
+    cond: torch.Tensor | None = None
+    png: list[bytes] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.prompts)
+
+    def batch_key(self) -> tuple:
+        """Jobs with equal keys can share one pipeline call."""
+        return (self.height, self.width, self.steps, float(self.guidance_scale), self.scheduler)
+
+    def size_key(self) -> tuple:
+        return (self.height, self.width)
+
+    def dead(self, now: float | None = None) -> bool:
+        return self.future.done() or (now or time.monotonic()) > self.deadline
+
+
+@dataclass
+class Result:
+    """What a finished job returns: one PNG per prompt and where its time went."""
+
+    png: list[bytes]
+    seeds: list[int]
+    latency_s: float
+    timings: dict
+    batch_sizes: dict
+
+    def images(self):
+        from PIL import Image
+
+        return [Image.open(io.BytesIO(b)) for b in self.png]
+
+
+def _settle(job: Job, result=None, error: BaseException | None = None) -> None:
+    """Resolve the job's future unless the caller cancelled it (a late result is dropped)."""
+    try:
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+class JobQueue:
+    """The bounded queue in front of the first stage; takes batches of compatible jobs in arrival order."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self.items: deque[Job] = deque()
+        self.cond = threading.Condition()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def put(self, job: Job, retry_after: float) -> None:
+        with self.cond:
+            if len(self.items) >= self.maxsize:
+                raise QueueFull(len(self.items), retry_after)
+            self.items.append(job)
+            self.cond.notify_all()
+
+    def take(self, key: Callable[[Job], tuple] | None, max_images: int, max_wait: float,
+             stop: threading.Event, poll: float = 0.05) -> list[Job]:
+        """The oldest job and, waiting at most ``max_wait`` seconds for them, younger jobs of its key (``None``:
+        any) up to ``max_images`` images; [] when ``stop`` is set and nothing waits."""
+        with self.cond:
+            while not self.items:
+                if stop.is_set():
+                    return []
+                self.cond.wait(poll)
+            first = self.items.popleft()
+            batch, images = [first], first.n
+            want = None if key is None else key(first)
+            deadline = time.monotonic() + max_wait
+            while images < max_images:
+                for job in list(self.items):
+                    if images + job.n <= max_images and (want is None or key(job) == want):
+                        self.items.remove(job)
+                        batch.append(job)
+                        images += job.n
+                left = deadline - time.monotonic()
+                if images >= max_images or left <= 0:
+                    break
+                self.cond.wait(left)
+            return batch
+
+    def take_nowait(self, accept: Callable[[Job], bool], max_images: int) -> list[Job]:
+        """Waiting jobs that ``accept`` takes, oldest first, up to ``max_images`` images; no wait."""
+        out, images = [], 0
+        with self.cond:
+            for job in list(self.items):
+                if images + job.n <= max_images and accept(job):
+                    self.items.remove(job)
+                    out.append(job)
+                    images += job.n
+        return out
+
+
+class Engine:
+    """Serves generation requests on ``pipe`` (a ``StableDiffusionPipeline`` or subclass: an export of any
+    distill method, or any diffusers text-to-image pipeline of that layout).
+
+    ``max_batch_size``: images per batch (and per request); ``max_wait_ms``: how long a batch waits to fill;
+    ``queue_size``: jobs that may wait before :meth:`submit` raises :class:`QueueFull`; ``stage_queue_size``:
+    batches between two stages; ``timeout_s``: a request's deadline unless it sets its own; ``max_steps``:
+    the largest step count a request may ask for. ``scheduler``, ``steps`` and ``guidance_scale`` are the
+    defaults of a request that leaves them out (the entry point takes them from the export's distill.json;
+    ``scheduler=None``: the pipeline's own); ``own_scheduler`` is the name the export's own scheduler answers to
+    (its class and config are kept for it, e.g. a progressive student's grid DDIM).
+    ``accelerator``: a training-free accelerator (``distill.accelerate``) on every pipeline call; it keeps
+    per-trajectory state, so it cannot run in ``stream`` mode.
+    """
+
+    def __init__(self, pipe, *, steps: int, guidance_scale: float, scheduler: str | None = None,
+                 own_scheduler: str | None = None, mode: str = "stream", max_batch_size: int = 8,
+                 max_wait_ms: float = 10.0, queue_size: int = 64, stage_queue_size: int = 2, timeout_s: float = 120.0,
+                 max_steps: int = 100, accelerator=None, metrics=None):
+        from distill.inference.schedulers import SCHEDULERS
+
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
+        for name, value, low in (("max_batch_size", max_batch_size, 1), ("queue_size", queue_size, 1),
+                                 ("stage_queue_size", stage_queue_size, 1), ("max_steps", max_steps, 1)):
+            if value < low:
+                raise ValueError(f"{name}={value} must be >= {low}")
+        if max_wait_ms < 0 or timeout_s <= 0:
+            raise ValueError(f"max_wait_ms={max_wait_ms} must be >= 0 and timeout_s={timeout_s} > 0")
+        if scheduler is not None and scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={scheduler!r} is unknown; use one of {sorted(SCHEDULERS)}")
+        if not 1 <= steps <= max_steps:
+            raise ValueError(f"steps={steps} must lie in [1, max_steps={max_steps}]")
+        if mode == "stream" and accelerator is not None:
+            raise ValueError(f"accelerate={accelerator.describe()} keeps state along one trajectory, and mode=stream "
+                             "batches jobs at different steps; use mode=pipeline (or batch) with an accelerator")
+        for name in ("encode_prompt", "unet", "vae", "scheduler", "image_processor"):
+            if not hasattr(pipe, name):
+                raise ValueError(f"{type(pipe).__name__} has no {name}: distill.serve serves text-to-image pipelines of "
+                                 "the StableDiffusionPipeline layout (encode_prompt, unet, vae, scheduler)")
+        self.pipe, self.mode = pipe, mode
+        self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1e3
+        self.timeout_s, self.max_steps = timeout_s, max_steps
+        self.default_scheduler, self.default_steps, self.default_guidance = scheduler, steps, guidance_scale
+        self.own_name = own_scheduler
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        self.accelerator = accelerator
+        self.device, self.dtype = pipe.unet.device, pipe.unet.dtype
+        self.factor = pipe.vae_scale_factor
+        self.native = pipe.unet.config.sample_size * self.factor
+        self.own_scheduler = (type(pipe.scheduler), pipe.scheduler.config)
+        pipe.set_progress_bar_config(disable=True)
+        self.metrics = metrics
+        self.queue = JobQueue(queue_size)
+        self.stage_queue_size = stage_queue_size
+        self.stop = threading.Event()
+        self.accepting = True
+        self.inflight = 0
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.ids = itertools.count(1)
+        self.seconds_per_image = 0.0  # running estimate, for Retry-After
+        with torch.no_grad():  # the unconditional embedding of classifier-free guidance, once
+            self.null_embeds = pipe.encode_prompt([""], self.device, 1, False)[0]
+        self.threads: list[threading.Thread] = []
+        self.pending: deque[Job] = deque()  # stream: encoded jobs waiting to join the denoiser
+        self.pending_cond = threading.Condition()
+        if accelerator is not None:
+            from distill.accelerate import enable
+
+            enable(pipe, accelerator)
+        self._start()
+
+    # ---------------------------------------------------------------- requests
+
+    def needs_cfg(self, guidance_scale: float) -> bool:
+        """Whether a call at this guidance runs classifier-free guidance (two UNet rows per image), as the
+        pipeline decides: guidance > 1, and the UNet neither takes guidance as an input nor distilled it."""
+        return (guidance_scale > 1 and self.pipe.unet.config.time_cond_proj_dim is None
+                and not getattr(self.pipe.config, "guidance_distilled", False))
+
+    def check(self, prompts: list[str], steps: int | None, guidance_scale: float | None, height: int | None,
+              width: int | None, scheduler: str | None, timeout_s: float | None) -> list[tuple[str, str]]:
+        """(field, message) of every invalid value of a request; [] when it can run."""
+        from distill.inference.schedulers import SCHEDULERS
+
+        errors = []
+        if not prompts:
+            errors.append(("prompt", "give a prompt (a non-empty string or list of strings)"))
+        elif any(not isinstance(p, str) or not p.strip() for p in prompts):
+            errors.append(("prompt", "every prompt must be a non-empty string"))
+        elif len(prompts) > self.max_batch_size:
+            errors.append(("prompt", f"{len(prompts)} prompts: at most max_batch_size={self.max_batch_size} a request"))
+        if steps is not None and not 1 <= steps <= self.max_steps:
+            errors.append(("steps", f"steps={steps} must lie in [1, {self.max_steps}]"))
+        if guidance_scale is not None and not 0 <= guidance_scale <= 50:
+            errors.append(("guidance_scale", f"guidance_scale={guidance_scale} must lie in [0, 50]"))
+        for name, value in (("height", height), ("width", width)):
+            if value is not None and (value % self.factor or not self.factor <= value <= 4 * self.native):
+                errors.append((name, f"{name}={value} must be a multiple of the VAE factor {self.factor} in "
+                                     f"[{self.factor}, {4 * self.native}] (this model's native size is {self.native})"))
+        if scheduler is not None and scheduler not in SCHEDULERS:
+            errors.append(("scheduler", f"scheduler={scheduler!r} is unknown; use one of {sorted(SCHEDULERS)}"))
+        if timeout_s is not None and timeout_s <= 0:
+            errors.append(("timeout_s", f"timeout_s={timeout_s} must be > 0"))
+        return errors
+
+    def job(self, prompts: list[str], seed: int, steps: int | None = None, guidance_scale: float | None = None,
+            height: int | None = None, width: int | None = None, scheduler: str | None = None,
+            timeout_s: float | None = None) -> Job:
+        """A job with this engine's defaults for what the request leaves out; image i takes seed ``seed + i``."""
+        errors = self.check(prompts, steps, guidance_scale, height, width, scheduler, timeout_s)
+        if errors:
+            raise ValueError("; ".join(message for _, message in errors))
+        return Job(list(prompts), [seed + i for i in range(len(prompts))], steps or self.default_steps,
+                   self.default_guidance if guidance_scale is None else float(guidance_scale),
+                   height or self.native, width or self.native, scheduler or self.default_scheduler,
+                   timeout_s or self.timeout_s)
+
+    def submit(self, job: Job) -> Future:
+        """Queue ``job``; its future resolves to a :class:`Result`, or raises :class:`DeadlineExceeded` (or the
+        error of its batch). Raises :class:`QueueFull` or :class:`Draining` at once."""
+        if not self.accepting:
+            raise Draining("the service is shutting down")
+        job.id, job.submitted = next(self.ids), time.monotonic()
+        job.deadline = job.submitted + (job.timeout_s or self.timeout_s)
+        with self.lock:
+            self.inflight += 1
+        job.future.add_done_callback(lambda _: self._done())
+        try:
+            self.queue.put(job, self.retry_after())
+        except QueueFull:
+            _settle(job, error=Draining("not queued"))  # releases the in-flight count; the caller sees QueueFull
+            raise
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self.queue))
+        return job.future
+
+    def retry_after(self) -> float:
+        """Seconds until the queue has room, estimated from the recent time per image (at least 1)."""
+        waiting = sum(job.n for job in list(self.queue.items))
+        return max(1.0, waiting * self.seconds_per_image)
+
+    def _done(self) -> None:
+        with self.lock:
+            self.inflight -= 1
+            self.idle.notify_all()
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> bool:
+        """Stop taking jobs; with ``drain``, finish the ones held (at most ``timeout`` seconds), else cancel them.
+        True when every job was settled."""
+        self.accepting = False
+        if not drain:
+            for job in list(self.queue.items):
+                _settle(job, error=Draining("the service stopped before this request ran"))
+        with self.lock:
+            settled = self.idle.wait_for(lambda: self.inflight == 0, timeout)
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=5)
+        if self.accelerator is not None:
+            from distill.accelerate import disable
+
+            disable(self.pipe)
+        return settled
+
+    # ---------------------------------------------------------------- stages
+
+    def _start(self) -> None:
+        import queue
+
+        if self.mode in ("sequential", "batch"):
+            self.threads = [threading.Thread(target=self._serial, name="distill-serve", daemon=True)]
+        else:
+            q1, q2 = queue.Queue(self.stage_queue_size), queue.Queue(self.stage_queue_size)
+            denoise = self._stream_denoiser if self.mode == "stream" else self._denoiser
+            self.threads = [threading.Thread(target=self._encoder, args=(q1,), name="distill-encode", daemon=True),
+                            threading.Thread(target=denoise, args=(q1, q2), name="distill-denoise", daemon=True),
+                            threading.Thread(target=self._decoder, args=(q2,), name="distill-decode", daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def _take(self) -> list[Job]:
+        if self.mode == "sequential":
+            return self.queue.take(None, 1, 0.0, self.stop)
+        key = Job.size_key if self.mode == "stream" else Job.batch_key
+        batch = self.queue.take(key, self.max_batch_size, self.max_wait, self.stop)
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(len(self.queue))
+        return batch
+
+    def _live(self, jobs: list[Job]) -> list[Job]:
+        """The jobs still wanted; the others are settled with DeadlineExceeded (or were cancelled)."""
+        now, out = time.monotonic(), []
+        for job in jobs:
+            if job.dead(now):
+                _settle(job, error=DeadlineExceeded(f"request {job.id} passed its deadline of {job.timeout_s} s"))
+                if self.metrics is not None:
+                    self.metrics.dropped.inc()
+            else:
+                out.append(job)
+        return out
+
+    def _timed(self, stage: str, jobs: list[Job], fn: Callable[[list[Job]], None]) -> bool:
+        """Run stage ``fn`` on ``jobs`` (on its own CUDA stream on a GPU); False when it failed (each job then
+        carries the error)."""
+        start = time.perf_counter()
+        try:
+            if self.device.type == "cuda":
+                stream = self._streams.setdefault(stage, torch.cuda.Stream(self.device))
+                with torch.cuda.stream(stream):
+                    fn(jobs)
+                stream.synchronize()  # the next stage (another thread, another stream) reads these tensors
+            else:
+                fn(jobs)
+        except Exception as err:  # noqa: BLE001 - a failed batch fails its requests, never the service
+            log.exception("%s failed for requests %s", stage, [j.id for j in jobs])
+            for job in jobs:
+                _settle(job, error=err)
+            return False
+        seconds = time.perf_counter() - start
+        images = sum(j.n for j in jobs)
+        for job in jobs:
+            job.timings[stage] = job.timings.get(stage, 0.0) + seconds
+            job.batch_sizes[stage] = max(job.batch_sizes.get(stage, 0), images)
+        if self.metrics is not None:
+            self.metrics.stage_seconds.labels(stage).observe(seconds)
+            self.metrics.batch_size.labels(stage).observe(images)
+        return True
+
+    def _serial(self) -> None:
+        while True:
+            jobs = self._live(self._take())
+            if not jobs:
+                if self.stop.is_set():
+                    return
+                continue
+            for stage, fn in (("encode", self._encode), ("denoise", self._denoise), ("decode", self._decode)):
+                if not jobs or not self._timed(stage, jobs, fn):
+                    break
+                if stage == "decode":
+                    self._finish(jobs)
+                else:
+                    jobs = self._live(jobs)
+
+    def _encoder(self, out) -> None:
+        while True:
+            jobs = self._live(self._take())
+            if not jobs:
+                if self.stop.is_set():
+                    out.put(None)
+                    return
+                continue
+            if self._timed("encode", jobs, self._encode):
+                out.put(jobs)
+
+    def _denoiser(self, inp, out) -> None:
+        while (jobs := inp.get()) is not None:
+            jobs = self._live(jobs)
+            if jobs and self._timed("denoise", jobs, self._denoise):
+                out.put(jobs)
+        out.put(None)
+
+    def _decoder(self, inp) -> None:
+        while (jobs := inp.get()) is not None:
+            if self._timed("decode", jobs, self._decode):
+                self._finish(jobs)
+
+    # ---------------------------------------------------------------- the work of each stage
+
+    @torch.no_grad()
+    def _encode(self, jobs: list[Job]) -> None:
+        prompts = [p for job in jobs for p in job.prompts]
+        embeds = self.pipe.encode_prompt(prompts, self.device, 1, False)[0]
+        for job, part in zip(jobs, embeds.split([j.n for j in jobs])):
+            job.embeds = part
+
+    def scheduler_for(self, name: str | None):
+        """A fresh scheduler: the pipeline's own class and config for ``None`` (or the export's own name),
+        else ``name`` built from the pipeline's noise schedule with that scheduler's package options."""
+        from distill.inference.schedulers import make_scheduler, scheduler_options
+
+        cls, config = self.own_scheduler
+        if name is None or name == self.own_name:
+            return cls.from_config(config)
+        return make_scheduler(name, config, **scheduler_options(name))
+
+    def _generators(self, jobs: list[Job]) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(seed) for job in jobs for seed in job.seeds]
+
+    @torch.no_grad()
+    def _denoise(self, jobs: list[Job]) -> None:
+        """One pipeline call for jobs of one batch key (``output_type="latent"``: the decoder stage decodes)."""
+        first = jobs[0]
+        pipe = self.pipe
+        pipe.scheduler = self.scheduler_for(first.scheduler)
+        embeds = torch.cat([job.embeds for job in jobs])
+        negative = self.null_embeds.expand(len(embeds), -1, -1) if self.needs_cfg(first.guidance_scale) else None
+        if self.accelerator is not None:
+            self.accelerator.use_scheduler(first.scheduler or self.own_name or "own", first.guidance_scale)
+            self.accelerator.use_prompts([p for job in jobs for p in job.prompts])
+            self.accelerator.use_labels(None)
+        latents = pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, num_inference_steps=first.steps,
+                       guidance_scale=first.guidance_scale, height=first.height, width=first.width,
+                       generator=self._generators(jobs), output_type="latent").images
+        for job, part in zip(jobs, latents.split([j.n for j in jobs])):
+            job.latents = part
+
+    @torch.no_grad()
+    def _decode(self, jobs: list[Job]) -> None:
+        vae = self.pipe.vae
+        latents = torch.cat([job.latents for job in jobs])
+        pixels = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        images = self.pipe.image_processor.postprocess(pixels, output_type="pil")
+        offset = 0
+        for job in jobs:
+            job.png = []
+            for image in images[offset:offset + job.n]:
+                buffer = io.BytesIO()
+                image.save(buffer, format="PNG")
+                job.png.append(buffer.getvalue())
+            offset += job.n
+
+    def _finish(self, jobs: list[Job]) -> None:
+        now = time.monotonic()
+        for job in jobs:
+            _settle(job, Result(job.png, job.seeds, now - job.submitted, dict(job.timings), dict(job.batch_sizes)))
+            if self.metrics is not None:
+                self.metrics.completed(job.n, now - job.submitted)
+        per_image = sum(jobs[0].timings.values()) / sum(job.n for job in jobs)  # conservative when stages overlap
+        self.seconds_per_image = 0.8 * self.seconds_per_image + 0.2 * per_image if self.seconds_per_image else per_image
+
+    # ---------------------------------------------------------------- stream batching
+
+    def _prepare(self, job: Job) -> None:
+        """Per-job state of the denoising loop, as ``StableDiffusionPipeline.__call__`` sets it up."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        pipe = self.pipe
+        job.sched = self.scheduler_for(job.scheduler)
+        job.sched.set_timesteps(job.steps, device=self.device)
+        job.timesteps, job.index = job.sched.timesteps, 0
+        gens = self._generators([job])
+        c = pipe.unet.config
+        shape = (job.n, c.in_channels, job.height // self.factor, job.width // self.factor)
+        job.latents = randn_tensor(shape, generator=gens, device=self.device, dtype=job.embeds.dtype)
+        job.latents = job.latents * job.sched.init_noise_sigma
+        job.cfg = self.needs_cfg(job.guidance_scale)
+        job.step_kwargs = pipe.prepare_extra_step_kwargs(gens, 0.0)
+        if c.time_cond_proj_dim is not None:  # the guidance embedding of LCM-style students
+            w = torch.tensor(job.guidance_scale - 1).repeat(job.n)
+            job.cond = pipe.get_guidance_scale_embedding(w, embedding_dim=c.time_cond_proj_dim).to(
+                device=self.device, dtype=job.latents.dtype)
+        if job.cfg:
+            job.embeds = torch.cat([self.null_embeds.expand(job.n, -1, -1), job.embeds])
+
+    def _stream_denoiser(self, inp, out) -> None:
+        """Continuous batching of denoising steps: admit encoded jobs while there is room, advance every
+        active job by one step in one UNet call, pass finished jobs to the decoder."""
+        active: list[Job] = []
+        waiting: deque[Job] = deque()
+        upstream_done = False
+        while True:
+            # admit: block only when nothing is active
+            while not upstream_done:
+                try:
+                    jobs = inp.get(block=not active and not waiting, timeout=0.05)
+                except Exception:  # queue.Empty
+                    break
+                if jobs is None:
+                    upstream_done = True
+                    break
+                waiting.extend(jobs)
+            images = sum(j.n for j in active)
+            size = active[0].size_key() if active else None
+            admitted = []
+            for job in list(waiting):
+                if images + job.n > self.max_batch_size:
+                    break  # arrival order: a large job is not overtaken forever
+                if size is None or job.size_key() == size:
+                    waiting.remove(job)
+                    admitted.append(job)
+                    images += job.n
+                    size = job.size_key()
+            for job in self._live(admitted):
+                try:
+                    self._prepare(job)
+                    active.append(job)
+                except Exception as err:  # noqa: BLE001
+                    log.exception("request %s could not start", job.id)
+                    _settle(job, error=err)
+            active = self._live(active)
+            if not active:
+                if upstream_done and not waiting:
+                    out.put(None)
+                    return
+                continue
+            if not self._timed("denoise", active, self._stream_step):
+                active = []
+                continue
+            finished = [job for job in active if job.index >= len(job.timesteps)]
+            active = [job for job in active if job.index < len(job.timesteps)]
+            if finished:
+                out.put(finished)
+
+    @torch.no_grad()
+    def _stream_step(self, jobs: list[Job]) -> None:
+        """One UNet call that advances each job by one step of its own scheduler."""
+        xs, ts, embeds, conds = [], [], [], []
+        for job in jobs:
+            t = job.timesteps[job.index]
+            x = torch.cat([job.latents] * 2) if job.cfg else job.latents
+            x = job.sched.scale_model_input(x, t)
+            xs.append(x)
+            ts.append(t.reshape(1).expand(len(x)))
+            embeds.append(job.embeds)
+            if job.cond is not None:
+                conds.append(job.cond)
+        dtypes = {t.dtype for t in ts}
+        t_all = torch.cat([t.float() for t in ts]) if len(dtypes) > 1 else torch.cat(ts)
+        out = self.pipe.unet(torch.cat(xs), t_all, encoder_hidden_states=torch.cat(embeds),
+                             timestep_cond=torch.cat(conds) if conds else None, return_dict=False)[0]
+        for job, pred in zip(jobs, out.split([len(x) for x in xs])):
+            if job.cfg:
+                uncond, text = pred.chunk(2)
+                pred = uncond + job.guidance_scale * (text - uncond)
+            t = job.timesteps[job.index]
+            job.latents = job.sched.step(pred, t, job.latents, **job.step_kwargs, return_dict=False)[0]
+            job.index += 1
