@@ -284,14 +284,15 @@ class FitForecasterConfig:
 
 # the engine's own settings (its signature's defaults); the entry point passes the pipeline and the request defaults
 EngineConfig = builds("EngineConfig", "distill.serve.engine.Engine", choices={"mode": ServeMode},
-                      exclude=("pipe", "steps", "guidance_scale", "scheduler", "own_scheduler", "accelerator", "metrics"))
+                      exclude=("pipe", "steps", "guidance_scale", "scheduler", "own_scheduler", "scheduler_options",
+                               "accelerator", "metrics"))
 
 
 @dataclass
 class ServeConfig:
     pipeline: str = MISSING  # a diffusers pipeline folder or hub id (StableDiffusionPipeline layout)
     # a request's defaults: the command line's, else the export's intended call (distill.json), else the pipeline's own
-    scheduler: str | None = None  # a scheduler name (conf/scheduler); default: the pipeline's own
+    scheduler: Any = None  # a scheduler option (scheduler=dpmsolver: conf/scheduler); default: the pipeline's own
     steps: int | None = None
     guidance_scale: float | None = None
     accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)  # on every call (not with engine.mode=stream)

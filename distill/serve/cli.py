@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import signal
 import socket
 import sys
 
@@ -49,8 +50,8 @@ def _check(cfg: DictConfig) -> None:
     missing = missing_keys(cfg)
     if missing:
         raise ValueError(f"required value(s) missing: {', '.join(missing)}; e.g. {missing[0]}=<pipeline folder>")
-    if cfg.scheduler is not None and cfg.scheduler not in SCHEDULERS:
-        raise ValueError(f"scheduler={cfg.scheduler!r} is unknown; use one of {sorted(SCHEDULERS)}")
+    if cfg.scheduler is not None and cfg.scheduler.name not in SCHEDULERS:
+        raise ValueError(f"scheduler.name={cfg.scheduler.name!r} is unknown; use one of {sorted(SCHEDULERS)}")
     if cfg.steps is not None and not 1 <= cfg.steps <= cfg.engine.max_steps:
         raise ValueError(f"steps={cfg.steps} must lie in [1, engine.max_steps={cfg.engine.max_steps}]")
     if cfg.dtype not in DTYPES:
@@ -90,9 +91,27 @@ def build(cfg: DictConfig):
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", guidance)
     settings = OmegaConf.to_container(cfg.engine, enum_to_str=True)
     settings.pop("_target_", None)
-    engine = Engine(pipe, steps=int(steps), guidance_scale=float(guidance), scheduler=cfg.scheduler,
-                    own_scheduler=defaults.get("name"), accelerator=accelerator, metrics=ServeMetrics(), **settings)
+    name = None if cfg.scheduler is None else str(cfg.scheduler.name)
+    options = {} if name is None else {name: OmegaConf.to_container(cfg.scheduler.options)}
+    engine = Engine(pipe, steps=int(steps), guidance_scale=float(guidance), scheduler=name,
+                    own_scheduler=defaults.get("name"), scheduler_options=options, accelerator=accelerator,
+                    metrics=ServeMetrics(), **settings)
     return engine, str(cfg.pipeline)
+
+
+def _server(config):
+    """A uvicorn server whose SIGTERM (or first Ctrl-C) drains and then exits 0: uvicorn re-raises the signal
+    after its graceful shutdown, which would end the process by the signal instead."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C stops without waiting
+            else:
+                self.should_exit = True
+
+    return Server(config)
 
 
 def serve(cfg: DictConfig) -> None:
@@ -109,7 +128,7 @@ def serve(cfg: DictConfig) -> None:
         raise ValueError(f"cannot listen on {cfg.host}:{cfg.port} ({err.strerror}); choose another port=") from err
     engine, model = build(cfg)
     app = create_app(engine, model, cfg.drain_timeout_s)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.drain_timeout_s))
+    server = _server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.drain_timeout_s))
     host, port = sock.getsockname()[:2]
     print(f"distill.serve: {model} ({engine.mode} mode, batch {engine.max_batch_size}, {engine.default_steps} steps, "
           f"guidance {engine.default_guidance}) on http://{host}:{port}", flush=True)

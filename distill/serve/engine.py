@@ -23,14 +23,17 @@ with the encoded prompts: its own loop, hooks and accelerators. ``stream`` runs 
 embedding, scheduler step), batched across jobs.
 
 Backpressure: at most ``queue_size`` jobs wait to enter the first stage (:class:`QueueFull` beyond it, the
-HTTP layer's 429), stage queues hold ``stage_queue_size`` batches, the stream denoiser at most
-``max_batch_size`` images: memory is bounded under any load. A job past its deadline, or whose future was
+HTTP layer's 429), stage queues hold ``stage_queue_size`` batches of at most ``max_batch_size`` images, each
+stage works on one batch, the stream denoiser holds one batch beside its active ``max_batch_size`` images:
+what the engine holds is bounded under any load (at most ``queue_size`` jobs plus ``2 stage_queue_size + 4``
+batches). A job past its deadline, or whose future was
 cancelled, is dropped at the next stage boundary (or denoising step, in stream mode) with
 :class:`DeadlineExceeded`.
 """
 
 from __future__ import annotations
 
+import inspect
 import io
 import itertools
 import logging
@@ -158,7 +161,7 @@ class JobQueue:
     def take(self, key: Callable[[Job], tuple] | None, max_images: int, max_wait: float,
              stop: threading.Event, poll: float = 0.05) -> list[Job]:
         """The oldest job and, waiting at most ``max_wait`` seconds for them, younger jobs of its key (``None``:
-        any) up to ``max_images`` images; [] when ``stop`` is set and nothing waits."""
+        any) in arrival order up to ``max_images`` images; [] when ``stop`` is set and nothing waits."""
         with self.cond:
             while not self.items:
                 if stop.is_set():
@@ -170,26 +173,18 @@ class JobQueue:
             deadline = time.monotonic() + max_wait
             while images < max_images:
                 for job in list(self.items):
-                    if images + job.n <= max_images and (want is None or key(job) == want):
-                        self.items.remove(job)
-                        batch.append(job)
-                        images += job.n
+                    if want is not None and key(job) != want:
+                        continue  # another batch's job
+                    if images + job.n > max_images:
+                        break  # no younger job of this key overtakes it: arrival order is kept
+                    self.items.remove(job)
+                    batch.append(job)
+                    images += job.n
                 left = deadline - time.monotonic()
                 if images >= max_images or left <= 0:
                     break
                 self.cond.wait(left)
             return batch
-
-    def take_nowait(self, accept: Callable[[Job], bool], max_images: int) -> list[Job]:
-        """Waiting jobs that ``accept`` takes, oldest first, up to ``max_images`` images; no wait."""
-        out, images = [], 0
-        with self.cond:
-            for job in list(self.items):
-                if images + job.n <= max_images and accept(job):
-                    self.items.remove(job)
-                    out.append(job)
-                    images += job.n
-        return out
 
 
 class Engine:
@@ -202,13 +197,15 @@ class Engine:
     the largest step count a request may ask for. ``scheduler``, ``steps`` and ``guidance_scale`` are the
     defaults of a request that leaves them out (the entry point takes them from the export's distill.json;
     ``scheduler=None``: the pipeline's own); ``own_scheduler`` is the name the export's own scheduler answers to
-    (its class and config are kept for it, e.g. a progressive student's grid DDIM).
+    (its class and config are kept for it, e.g. a progressive student's grid DDIM); ``scheduler_options`` maps a
+    scheduler name to its ``from_config`` options (default: the package's ``conf/scheduler/<name>.yaml``).
     ``accelerator``: a training-free accelerator (``distill.accelerate``) on every pipeline call; it keeps
     per-trajectory state, so it cannot run in ``stream`` mode.
     """
 
     def __init__(self, pipe, *, steps: int, guidance_scale: float, scheduler: str | None = None,
-                 own_scheduler: str | None = None, mode: str = "stream", max_batch_size: int = 8,
+                 own_scheduler: str | None = None, scheduler_options: dict[str, dict] | None = None,
+                 mode: str = "stream", max_batch_size: int = 8,
                  max_wait_ms: float = 10.0, queue_size: int = 64, stage_queue_size: int = 2, timeout_s: float = 120.0,
                  max_steps: int = 100, accelerator=None, metrics=None):
         from distill.inference.schedulers import SCHEDULERS
@@ -237,6 +234,7 @@ class Engine:
         self.timeout_s, self.max_steps = timeout_s, max_steps
         self.default_scheduler, self.default_steps, self.default_guidance = scheduler, steps, guidance_scale
         self.own_name = own_scheduler
+        self.scheduler_options = dict(scheduler_options or {})
         self._streams: dict[str, torch.cuda.Stream] = {}
         self.accelerator = accelerator
         self.device, self.dtype = pipe.unet.device, pipe.unet.dtype
@@ -356,6 +354,8 @@ class Engine:
             from distill.accelerate import disable
 
             disable(self.pipe)
+        cls, config = self.own_scheduler
+        self.pipe.scheduler = cls.from_config(config)  # as it was before any request chose another
         return settled
 
     # ---------------------------------------------------------------- stages
@@ -477,7 +477,8 @@ class Engine:
         cls, config = self.own_scheduler
         if name is None or name == self.own_name:
             return cls.from_config(config)
-        return make_scheduler(name, config, **scheduler_options(name))
+        options = self.scheduler_options[name] if name in self.scheduler_options else scheduler_options(name)
+        return make_scheduler(name, config, **options)
 
     def _generators(self, jobs: list[Job]) -> list[torch.Generator]:
         return [torch.Generator().manual_seed(seed) for job in jobs for seed in job.seeds]
@@ -540,7 +541,9 @@ class Engine:
         job.latents = randn_tensor(shape, generator=gens, device=self.device, dtype=job.embeds.dtype)
         job.latents = job.latents * job.sched.init_noise_sigma
         job.cfg = self.needs_cfg(job.guidance_scale)
-        job.step_kwargs = pipe.prepare_extra_step_kwargs(gens, 0.0)
+        params = inspect.signature(job.sched.step).parameters  # the pipeline's prepare_extra_step_kwargs, per job
+        job.step_kwargs = {**({"eta": 0.0} if "eta" in params else {}),
+                           **({"generator": gens} if "generator" in params else {})}
         if c.time_cond_proj_dim is not None:  # the guidance embedding of LCM-style students
             w = torch.tensor(job.guidance_scale - 1).repeat(job.n)
             job.cond = pipe.get_guidance_scale_embedding(w, embedding_dim=c.time_cond_proj_dim).to(
@@ -555,8 +558,9 @@ class Engine:
         waiting: deque[Job] = deque()
         upstream_done = False
         while True:
-            # admit: block only when nothing is active
-            while not upstream_done:
+            # admit: block only when nothing is active; read on only when nothing waits (the stage queue stays
+            # the buffer, so that backpressure reaches the request queue)
+            while not upstream_done and not waiting:
                 try:
                     jobs = inp.get(block=not active and not waiting, timeout=0.05)
                 except Exception:  # queue.Empty

@@ -1,0 +1,493 @@
+"""distill.serve (issue 17): the engine's batching, stages and stream batching against diffusers' own pipeline
+call, seeded determinism across batch compositions, backpressure and deadlines, the HTTP answers, and a
+graceful shutdown of the real service.
+
+The reference for every served image is the pipeline called the way a user calls it, alone, with a generator
+seeded with the request's seed: ``pipe(prompt, num_inference_steps=..., guidance_scale=..., generator=g)``.
+"""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from distill.assets import asset_path
+from distill.serve.engine import DeadlineExceeded, Engine, Job, JobQueue, QueueFull
+from tests.conftest import ROOT
+
+PROMPTS = [f"a handwritten digit {d}" for d in range(10)]
+STEPS, GUIDANCE = 6, 3.0
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from distill.inference.loading import load_pipeline
+
+    pipe = load_pipeline(str(asset_path("teacher")))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def reference(pipe, prompt, seed, steps=STEPS, guidance=GUIDANCE, scheduler=None) -> np.ndarray:
+    """The pipeline's own call for one request, alone, as uint8 (H, W, C)."""
+    from distill.inference.schedulers import make_scheduler, scheduler_options
+
+    own = pipe.scheduler
+    if scheduler is not None:
+        pipe.scheduler = make_scheduler(scheduler, own.config, **scheduler_options(scheduler))
+    try:
+        image = pipe(prompt, num_inference_steps=steps, guidance_scale=guidance,
+                     generator=torch.Generator().manual_seed(seed)).images[0]
+    finally:
+        pipe.scheduler = own
+    return np.asarray(image.convert("RGB"))
+
+
+def pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+
+
+def assert_close(served: np.ndarray, expected: np.ndarray) -> None:
+    """Within 1/255 per pixel (the issue's bound: batch composition changes float sums in the last bits)."""
+    assert served.shape == expected.shape
+    diff = np.abs(served.astype(int) - expected.astype(int))
+    assert diff.max() <= 1, f"max pixel difference {diff.max()} > 1/255 ({(diff > 1).mean():.1%} of pixels)"
+
+
+def make_engine(pipe, **kw) -> Engine:
+    settings = {"steps": STEPS, "guidance_scale": GUIDANCE, "own_scheduler": "ddim", "max_wait_ms": 200.0, **kw}
+    return Engine(pipe, **settings)
+
+
+def run(engine: Engine, jobs: list[Job], stagger: float = 0.0) -> list:
+    futures = []
+    for job in jobs:
+        futures.append(engine.submit(job))
+        time.sleep(stagger)
+    return [f.result(timeout=120) for f in futures]
+
+
+@pytest.mark.parametrize("mode", ["sequential", "batch", "pipeline", "stream"])
+def test_a_seeded_request_alone_and_in_a_mixed_batch_gives_the_pipelines_image(pipe, mode):
+    """The same seeded request served alone and inside a batch of other requests (other prompts and seeds; in
+    stream mode also other step counts and guidance, joining while others denoise) equals the pipeline's own
+    call within 1/255, and the batch was really shared."""
+    engine = make_engine(pipe, mode=mode, max_batch_size=8)
+    try:
+        alone = run(engine, [engine.job([PROMPTS[7]], seed=11)])[0]
+        if mode == "stream":  # others at other steps and guidance, already denoising when ours arrives
+            others = [engine.job([PROMPTS[i]], seed=100 + i, steps=STEPS + 4, guidance_scale=1.5 + i)
+                      for i in range(3)]
+            futures = [engine.submit(job) for job in others]
+            time.sleep(0.05)
+            mixed = run(engine, [engine.job([PROMPTS[7]], seed=11)])[0]
+            extra = [f.result(timeout=120) for f in futures]
+            assert_close(pixels(extra[1].png[0]), reference(pipe, PROMPTS[1], 101, STEPS + 4, 2.5))
+        else:
+            jobs = [engine.job([PROMPTS[i]], seed=100 + i) for i in range(3)] + [engine.job([PROMPTS[7]], seed=11)]
+            mixed = run(engine, jobs)[-1]
+    finally:
+        assert engine.close(timeout=60)
+    expected = reference(pipe, PROMPTS[7], 11)
+    assert alone.batch_sizes["denoise"] == 1
+    assert mixed.batch_sizes["denoise"] > 1 or mode == "sequential"
+    assert_close(pixels(alone.png[0]), expected)
+    assert_close(pixels(mixed.png[0]), expected)
+
+
+def test_stream_batching_advances_jobs_of_different_steps_guidance_and_schedulers_together(pipe):
+    """One denoiser batch holds jobs with different schedulers (DDIM, DPM-Solver, Euler: each its own state),
+    step counts and guidance (CFG and none); each finishes with its own image and leaves when done."""
+    engine = make_engine(pipe, mode="stream", max_batch_size=8)
+    specs = [("ddim", 4, 3.0), ("dpmsolver", 6, 2.0), ("euler", 5, 1.0), (None, 3, 4.0)]
+    try:
+        jobs = [engine.job([PROMPTS[i]], seed=i, steps=n, guidance_scale=w, scheduler=s)
+                for i, (s, n, w) in enumerate(specs)]
+        results = run(engine, jobs)
+    finally:
+        engine.close(timeout=60)
+    for i, ((name, n, w), result) in enumerate(zip(specs, results)):
+        assert_close(pixels(result.png[0]), reference(pipe, PROMPTS[i], i, n, w, name))
+        assert result.batch_sizes["denoise"] >= 2  # shared the UNet batch with the others
+
+
+def test_many_requests_keep_their_identity_and_arrival_order(pipe):
+    """Twelve concurrent requests (some of two prompts) through the pipelined stages: every answer holds its own
+    prompts' images (equal to one batched pipeline call with per-image generators), and requests of one batch
+    key finish in arrival order."""
+    from distill.serve.metrics import ServeMetrics
+
+    engine = make_engine(pipe, mode="pipeline", max_batch_size=4, max_wait_ms=20.0, metrics=ServeMetrics())
+    requests = [([PROMPTS[i % 10]] if i % 3 else [PROMPTS[i % 10], PROMPTS[(i + 5) % 10]], 1000 + 10 * i)
+                for i in range(12)]
+    done: list[int] = []
+    lock = threading.Lock()
+    try:
+        futures = []
+        for prompts, seed in requests:
+            future = engine.submit(engine.job(prompts, seed))
+            future.add_done_callback(lambda _, seed=seed: (lock.acquire(), done.append(seed), lock.release()))
+            futures.append(future)
+        results = [f.result(timeout=120) for f in futures]
+    finally:
+        engine.close(timeout=60)
+    assert done == [seed for _, seed in requests]
+    prompts = [p for ps, _ in requests for p in ps]
+    seeds = [seed + i for ps, seed in requests for i in range(len(ps))]
+    batch = pipe(prompts, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
+                 generator=[torch.Generator().manual_seed(s) for s in seeds]).images
+    served = [png for r in results for png in r.png]
+    assert [s for r in results for s in r.seeds] == seeds
+    for png, image in zip(served, batch):
+        assert_close(pixels(png), np.asarray(image.convert("RGB")))
+    sizes = [r.batch_sizes["denoise"] for r in results]
+    assert max(sizes) > 1 and max(sizes) <= 4
+    assert engine.metrics.registry.get_sample_value("distill_serve_images_total") == len(prompts)
+
+
+def test_the_queue_takes_only_compatible_jobs_oldest_first_and_refuses_when_full():
+    queue = JobQueue(maxsize=5)
+    stop = threading.Event()
+
+    def job(steps, n=1, height=32):
+        return Job(["p"] * n, list(range(n)), steps, 3.0, height, height)
+
+    a, b, c, d, e = job(4), job(8), job(4, n=2), job(4, height=64), job(8)
+    for j in (a, b, c, d, e):
+        queue.put(j, retry_after=2.0)
+    with pytest.raises(QueueFull) as err:
+        queue.put(job(4), retry_after=2.0)
+    assert err.value.retry_after == 2.0
+    assert queue.take(Job.batch_key, 8, 0.0, stop) == [a, c]  # same size, steps, guidance, scheduler
+    assert queue.take(Job.batch_key, 8, 0.0, stop) == [b, e]
+    assert queue.take(Job.batch_key, 8, 0.0, stop) == [d]
+    for j in (a, c, b):
+        queue.put(j, retry_after=1.0)
+    assert queue.take(Job.batch_key, 2, 0.0, stop) == [a]  # c (2 images) would exceed 2 images
+    assert queue.take(Job.size_key, 8, 0.0, stop) == [c, b]  # stream: any steps of one size
+    stop.set()
+    assert queue.take(None, 8, 0.0, stop) == []
+
+
+def test_deadlines_cancel_and_close_drains_requests_in_flight(pipe):
+    engine = make_engine(pipe, mode="pipeline", max_batch_size=2, max_wait_ms=0.0, queue_size=2)
+    slow = [engine.job([PROMPTS[i]], seed=i, steps=40) for i in range(2)]
+    futures = [engine.submit(job) for job in slow]
+    time.sleep(0.1)  # both in the stages now
+    late = engine.job([PROMPTS[3]], seed=3, timeout_s=0.01)
+    waiting = [engine.submit(late), engine.submit(engine.job([PROMPTS[4]], seed=4))]
+    with pytest.raises(DeadlineExceeded):
+        waiting[0].result(timeout=120)  # dropped at the next stage boundary, never denoised
+    assert engine.close(drain=True, timeout=120)  # the others finish before close returns
+    assert all(f.done() and f.exception() is None for f in futures + waiting[1:])
+    with pytest.raises(RuntimeError, match="shutting down"):
+        engine.submit(engine.job([PROMPTS[6]], seed=6))
+
+
+def test_exports_are_served_as_their_default_call(tmp_path):
+    """An LCM student (guidance as an input, a stochastic multistep scheduler drawing noise from the generator)
+    and a timestep-MoE progressive student (one expert per noise level: a stream batch mixes them) are served,
+    in stream and batch mode, with the images of ``DiffusionPipeline.from_pretrained(export)(prompt, generator=g)``."""
+    from diffusers import DiffusionPipeline
+
+    from distill.inference.loading import pipeline_defaults
+    from distill.serve.cli import call_defaults
+    from tests.sd_tiny import write_tiny_sd
+    from tests.test_exports import consistency_copy, progressive_moe_timestep
+
+    sd = write_tiny_sd(tmp_path / "sd")
+    for build in (consistency_copy, progressive_moe_timestep):
+        folder = build(sd).eval().export(tmp_path / build.__name__)
+        export = DiffusionPipeline.from_pretrained(folder)
+        export.set_progress_bar_config(disable=True)
+        steps, guidance = call_defaults(export)
+        own = pipeline_defaults(str(folder)).get("name")
+        expected = [np.asarray(export("a handwritten digit three", generator=torch.Generator().manual_seed(s))
+                               .images[0].convert("RGB")) for s in (5, 6)]
+        for mode in ("stream", "batch"):
+            engine = Engine(export, steps=steps, guidance_scale=guidance, own_scheduler=own, mode=mode, max_wait_ms=100.0)
+            try:
+                # a second job three steps behind (stream) or in the same call (batch)
+                first = engine.submit(engine.job(["a handwritten digit three"], seed=5))
+                time.sleep(0.01)
+                second = engine.submit(engine.job(["a handwritten digit three"], seed=6))
+                results = [first.result(timeout=120), second.result(timeout=120)]
+            finally:
+                engine.close(timeout=60)
+            for result, image in zip(results, expected):
+                assert_close(pixels(result.png[0]), image)
+
+
+def test_an_accelerator_runs_on_every_call_and_is_refused_in_stream_mode(pipe):
+    from distill.accelerate import DeepCache, accelerated
+
+    with accelerated(pipe, DeepCache(interval=3)):
+        expected = np.asarray(pipe(PROMPTS[2], num_inference_steps=9, guidance_scale=GUIDANCE,
+                                   generator=torch.Generator().manual_seed(2)).images[0].convert("RGB"))
+    plain = reference(pipe, PROMPTS[2], 2, steps=9)
+    engine = make_engine(pipe, mode="pipeline", accelerator=DeepCache(interval=3))
+    try:
+        served = pixels(run(engine, [engine.job([PROMPTS[2]], seed=2, steps=9)])[0].png[0])
+    finally:
+        engine.close(timeout=60)
+    assert_close(served, expected)
+    assert np.abs(served.astype(int) - plain.astype(int)).max() > 1  # the cache changed the image: it ran
+    with pytest.raises(ValueError, match="mode=pipeline"):
+        make_engine(pipe, mode="stream", accelerator=DeepCache(interval=3))
+
+
+@pytest.fixture(scope="module")
+def http(pipe):
+    """The FastAPI app on a pipelined engine, through Starlette's test client (lifespan included)."""
+    from fastapi.testclient import TestClient
+
+    from distill.serve.app import create_app
+    from distill.serve.metrics import ServeMetrics
+
+    engine = make_engine(pipe, mode="stream", max_batch_size=4, queue_size=2, metrics=ServeMetrics())
+    with TestClient(create_app(engine, "digits-teacher")) as client:
+        yield client, engine
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": ""}, "prompt"), ({"prompt": ["a", " "]}, "prompt"), ({"prompt": ["a"] * 5}, "prompt"),
+    ({"prompt": "a", "steps": 0}, "steps"), ({"prompt": "a", "steps": 101}, "steps"),
+    ({"prompt": "a", "height": 30}, "height"), ({"prompt": "a", "width": 4096}, "width"),
+    ({"prompt": "a", "scheduler": "fast"}, "scheduler"), ({"prompt": "a", "guidance_scale": -1}, "guidance_scale"),
+    ({"prompt": ["a", "b"], "format": "png"}, "format"), ({"prompt": "a", "format": "jpeg"}, "format"),
+    ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": "a", "timeout_s": 0}, "timeout_s"),
+    ({"prompt": "a", "stepz": 4}, "stepz"), ({}, "prompt"),
+])
+def test_bad_input_is_a_422_naming_the_field_and_the_service_goes_on(http, body, field):
+    client, _ = http
+    response = client.post("/generate", json=body)
+    assert response.status_code == 422, response.text
+    assert field in [e["loc"][-1] for e in response.json()["detail"]]
+    assert client.post("/generate", json={"prompt": "a handwritten digit one", "steps": 2}).status_code == 200
+
+
+def test_http_answers_images_health_metrics_429_and_504(http, pipe):
+    from distill.serve.client import parse_metrics
+
+    client, engine = http
+    response = client.post("/generate", json={"prompt": PROMPTS[4], "seed": 4, "steps": STEPS})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["seeds"] == [4] and body["steps"] == STEPS and body["guidance_scale"] == GUIDANCE
+    import base64
+
+    assert_close(pixels(base64.b64decode(body["images"][0])), reference(pipe, PROMPTS[4], 4))
+    png = client.post("/generate", json={"prompt": PROMPTS[4], "seed": 4, "steps": STEPS, "format": "png"})
+    assert png.headers["content-type"] == "image/png" and png.headers["X-Seed"] == "4"
+    assert_close(pixels(png.content), pixels(base64.b64decode(body["images"][0])))
+    two = client.post("/generate", json={"prompt": PROMPTS[:2], "seed": 9, "steps": 2}).json()
+    assert two["seeds"] == [9, 10] and len(two["images"]) == 2
+
+    # fill the service: the denoiser holds 4 images, one batch waits beside it, the stage queue holds two, the
+    # encoder one, the request queue two (queue_size); nothing more is taken, and the next request is told
+    # when to retry
+    held = []
+    with pytest.raises(QueueFull):
+        for i in range(20):
+            first = i == 0  # 100 steps of 4 images hold the denoiser while the rest piles up
+            held.append(engine.submit(engine.job(PROMPTS[:4] if first else [PROMPTS[i % 10]], seed=i,
+                                                 steps=100 if first else 1)))
+            time.sleep(0.02)
+    # bounded: the 4-image job denoising, then batches of at most 4 single jobs beside it (one), in the stage
+    # queue (two), in the encoder (one), and queue_size=2 waiting jobs: memory cannot grow with the load
+    assert len(held) <= 1 + 4 * (1 + 2 + 1) + 2
+    response = client.post("/generate", json={"prompt": PROMPTS[5]})
+    assert response.status_code == 429, response.text
+    assert int(response.headers["Retry-After"]) >= 1
+    for future in held:
+        future.result(timeout=120)
+    response = client.post("/generate", json={"prompt": PROMPTS[5], "steps": 100, "timeout_s": 0.05})
+    assert response.status_code == 504 and "timeout_s=0.05" in response.json()["detail"]
+
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["mode"] == "stream"
+    assert health["defaults"]["steps"] == STEPS and health["defaults"]["height"] == 32
+    metrics = parse_metrics(client.get("/metrics").text)
+    assert metrics['distill_serve_requests_total{code="429"}'] >= 1
+    assert metrics['distill_serve_requests_total{code="504"}'] >= 1
+    assert metrics['distill_serve_requests_total{code="200"}'] >= 3
+    assert metrics['distill_serve_batch_size_images_count{stage="denoise"}'] >= 1
+    assert metrics["distill_serve_queue_depth"] == 0
+    assert "distill_serve_images_per_second" in metrics
+    assert "/generate" in client.get("/openapi.json").json()["paths"]
+    page = client.get("/").text
+    assert "digits-teacher" in page and f'value="{STEPS}"' in page
+
+
+def _start_server(*overrides: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "distill.serve", "port=0", *overrides], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}")
+        if " on http://" in line:
+            return proc, line.rsplit(" on ", 1)[1].strip()
+    proc.kill()
+    raise AssertionError("server did not start within 120 s")
+
+
+def test_sigterm_finishes_requests_in_flight_then_exits():
+    """SIGTERM while four requests are being served: each gets its image, the service takes no new one, and the
+    process exits 0."""
+    from distill.serve import Client, ServeError
+
+    proc, url = _start_server("steps=30", "engine.mode=pipeline", "engine.max_batch_size=2")
+    try:
+        client = Client(url, timeout=120)
+        assert client.health()["status"] == "ok"
+        results: list = [None] * 4
+
+        def send(i):
+            try:
+                results[i] = Client(url, timeout=120).generate(PROMPTS[i], seed=i).seeds
+            except Exception as err:  # noqa: BLE001 - recorded, asserted below
+                results[i] = err
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while client.metrics().get("distill_serve_requests_in_flight", 0) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        try:
+            refused = client.generate(PROMPTS[9])
+        except (ServeError, OSError, Exception) as err:  # 503 while draining, or the listener is closed
+            refused = err
+        for thread in threads:
+            thread.join(timeout=120)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert results == [[0], [1], [2], [3]], results
+    assert not hasattr(refused, "seeds")
+    assert proc.returncode == 0 and "distill.serve: stopped" in out, out
+
+
+def _compose_serve(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from distill.config.schema import register_configs
+    from distill.utils.loggers import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="serve", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["steps=500"], "steps=500 must lie in \\[1, engine.max_steps=100\\]"),
+    (["dtype=float8"], "dtype='float8' is unknown"),
+    (["port=70000"], "port=70000 must lie in"),
+    (["accelerate=deepcache", "engine.mode=stream"], "set engine.mode=pipeline"),
+    (["pipeline=/nonexistent/pipe"], "/nonexistent/pipe"),
+])
+def test_bad_settings_are_refused_before_serving(overrides, error, monkeypatch):
+    import distill.serve.cli as cli
+
+    served = []
+    monkeypatch.setattr(cli, "_server", lambda config: served.append(config))
+    with pytest.raises((ValueError, OSError), match=error):
+        cli.serve(_compose_serve("port=0", *overrides))
+    assert not served
+
+
+def test_a_taken_port_and_unknown_choices_are_refused_by_name(monkeypatch):
+    import socket
+
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import ValidationError
+
+    import distill.serve.cli as cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(cli, "build", lambda cfg: pytest.fail("the model was loaded"))
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            cli.serve(_compose_serve(f"port={port}"))
+    with pytest.raises(MissingConfigException, match="scheduler"):
+        _compose_serve("scheduler=fastest")
+    with pytest.raises((ValidationError, ConfigCompositionException), match="turbo"):
+        _compose_serve("engine.mode=turbo")
+    cfg = _compose_serve("scheduler=dpmsolver", "engine.mode=batch", "engine.max_batch_size=16")
+    assert cfg.scheduler.name == "dpmsolver" and cfg.engine.max_batch_size == 16
+
+
+def test_the_command_exits_2_naming_the_bad_value():
+    result = subprocess.run([sys.executable, "-m", "distill.serve", "port=0", "steps=500"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "steps=500 must lie in [1, engine.max_steps=100]" in result.stderr
+    assert " on http://" not in result.stdout
+
+
+@pytest.mark.slow
+def test_30_second_soak_has_no_error_and_flat_memory():
+    """Four clients back to back for 30 s: every answer is 200, and the server's resident memory in the second
+    15 s does not exceed the first 15 s's peak by more than 32 MB."""
+    import psutil
+
+    from distill.serve import Client
+
+    proc, url = _start_server("steps=4", "engine.mode=stream", "engine.max_batch_size=8")
+    server = psutil.Process(proc.pid)
+    rss: list[tuple[float, int]] = []
+    errors: list = []
+    count = [0]
+    stop = time.monotonic() + 30
+
+    def worker(k):
+        client = Client(url, timeout=60)
+        i = 0
+        while time.monotonic() < stop:
+            try:
+                client.generate(PROMPTS[(k + i) % 10], seed=i)
+                count[0] += 1
+            except Exception as err:  # noqa: BLE001 - collected, asserted below
+                errors.append(err)
+            i += 1
+
+    try:
+        start = time.monotonic()
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        while time.monotonic() < stop:
+            rss.append((time.monotonic() - start, server.memory_info().rss))
+            time.sleep(0.25)
+        for thread in threads:
+            thread.join(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not errors and count[0] > 20
+    first = max(r for t, r in rss if t < 15)
+    second = max(r for t, r in rss if t >= 15)
+    assert second <= first + 32 * 2**20, (first / 2**20, second / 2**20)
+    assert proc.returncode == 0
+    Path(os.environ.get("SERVE_SOAK_LOG", os.devnull)).write_text(json.dumps({"requests": count[0], "rss": rss}))
