@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import html
 import math
 import secrets
 import time
@@ -144,9 +145,9 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground() -> HTMLResponse:
         page = PLAYGROUND.read_text()
-        for key, value in defaults().items():
-            page = page.replace("{{" + key + "}}", str(value))
-        return HTMLResponse(page.replace("{{model}}", model))
+        for key, value in {**defaults(), "model": model}.items():
+            page = page.replace("{{" + key + "}}", html.escape(str(value)))
+        return HTMLResponse(page)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception) -> JSONResponse:
