@@ -69,6 +69,26 @@ def make_engine(pipe, **kw) -> Engine:
     return Engine(pipe, **settings)
 
 
+def spy_steps(engine: Engine) -> list[set]:
+    """Record, for each stream denoiser call, the (job id, step index) of every job it advanced."""
+    calls: list[set] = []
+    step = engine._stream_step
+
+    def recording(jobs):
+        calls.append({(job.id, job.index) for job in jobs})
+        step(jobs)
+
+    engine._stream_step = recording
+    return calls
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.002)
+
+
 def run(engine: Engine, jobs: list[Job], stagger: float = 0.0) -> list:
     futures = []
     for job in jobs:
@@ -82,17 +102,22 @@ def test_a_seeded_request_alone_and_in_a_mixed_batch_gives_the_pipelines_image(p
     """The same seeded request served alone and inside a batch of other requests (other prompts and seeds; in
     stream mode also other step counts and guidance, joining while others denoise) equals the pipeline's own
     call within 1/255, and the batch was really shared."""
-    engine = make_engine(pipe, mode=mode, max_batch_size=8)
+    engine = make_engine(pipe, mode=mode, max_batch_size=8, max_wait_ms=0.0 if mode == "stream" else 200.0)
     try:
         alone = run(engine, [engine.job([PROMPTS[7]], seed=11)])[0]
         if mode == "stream":  # others at other steps and guidance, already denoising when ours arrives
-            others = [engine.job([PROMPTS[i]], seed=100 + i, steps=STEPS + 4, guidance_scale=1.5 + i)
+            calls = spy_steps(engine)
+            others = [engine.job([PROMPTS[i]], seed=100 + i, steps=STEPS + 6, guidance_scale=1.5 + i)
                       for i in range(3)]
             futures = [engine.submit(job) for job in others]
-            time.sleep(0.05)
-            mixed = run(engine, [engine.job([PROMPTS[7]], seed=11)])[0]
+            wait_for(lambda: others[0].index >= 3)
+            ours = engine.job([PROMPTS[7]], seed=11)
+            mixed = run(engine, [ours])[0]
             extra = [f.result(timeout=120) for f in futures]
-            assert_close(pixels(extra[1].png[0]), reference(pipe, PROMPTS[1], 101, STEPS + 4, 2.5))
+            assert_close(pixels(extra[1].png[0]), reference(pipe, PROMPTS[1], 101, STEPS + 6, 2.5))
+            # one UNet call advanced ours at its first step and the others at a later one
+            assert any((ours.id, 0) in call and (others[0].id, 0) not in call and
+                       any(job_id == others[0].id for job_id, _ in call) for call in calls)
         else:
             jobs = [engine.job([PROMPTS[i]], seed=100 + i) for i in range(3)] + [engine.job([PROMPTS[7]], seed=11)]
             mixed = run(engine, jobs)[-1]
@@ -155,6 +180,26 @@ def test_many_requests_keep_their_identity_and_arrival_order(pipe):
     assert engine.metrics.registry.get_sample_value("distill_serve_images_total") == len(prompts)
 
 
+def test_batches_never_mix_incompatible_requests(pipe):
+    """Requests that differ in steps, guidance or size arrive together: each pipeline call holds only its own
+    kind (the batch sizes the answers report), and every image is its own request's."""
+    engine = make_engine(pipe, mode="batch", max_batch_size=8, max_wait_ms=300.0)
+    kinds = [{"steps": 3}, {"steps": 4}, {"steps": 3, "guidance_scale": 2.0}, {"steps": 3, "height": 24}]
+    try:
+        jobs = [engine.job([PROMPTS[k]], seed=k + 10 * i, **kind) for i in range(2) for k, kind in enumerate(kinds)]
+        results = run(engine, jobs)
+    finally:
+        engine.close(timeout=60)
+    assert [r.batch_sizes["denoise"] for r in results] == [2] * 8
+    for job, result in zip(jobs, results):
+        kind = kinds[PROMPTS.index(job.prompts[0])]
+        if "height" not in kind:
+            assert_close(pixels(result.png[0]), reference(pipe, job.prompts[0], job.seeds[0], job.steps,
+                                                          job.guidance_scale))
+        else:
+            assert pixels(result.png[0]).shape == (24, 32, 3)
+
+
 def test_the_queue_takes_only_compatible_jobs_oldest_first_and_refuses_when_full():
     queue = JobQueue(maxsize=5)
     stop = threading.Event()
@@ -180,7 +225,7 @@ def test_the_queue_takes_only_compatible_jobs_oldest_first_and_refuses_when_full
 
 
 def test_deadlines_cancel_and_close_drains_requests_in_flight(pipe):
-    engine = make_engine(pipe, mode="pipeline", max_batch_size=2, max_wait_ms=0.0, queue_size=2)
+    engine = make_engine(pipe, mode="pipeline", max_batch_size=2, max_wait_ms=0.0, queue_size=8)
     slow = [engine.job([PROMPTS[i]], seed=i, steps=40) for i in range(2)]
     futures = [engine.submit(job) for job in slow]
     time.sleep(0.1)  # both in the stages now
@@ -215,11 +260,14 @@ def test_exports_are_served_as_their_default_call(tmp_path):
         expected = [np.asarray(export("a handwritten digit three", generator=torch.Generator().manual_seed(s))
                                .images[0].convert("RGB")) for s in (5, 6)]
         for mode in ("stream", "batch"):
-            engine = Engine(export, steps=steps, guidance_scale=guidance, own_scheduler=own, mode=mode, max_wait_ms=100.0)
+            engine = Engine(export, steps=steps, guidance_scale=guidance, own_scheduler=own, mode=mode,
+                            max_wait_ms=0.0 if mode == "stream" else 100.0)
             try:
-                # a second job three steps behind (stream) or in the same call (batch)
-                first = engine.submit(engine.job(["a handwritten digit three"], seed=5))
-                time.sleep(0.01)
+                # a second job a step or more behind (stream), or in the same call (batch)
+                job = engine.job(["a handwritten digit three"], seed=5)
+                first = engine.submit(job)
+                if mode == "stream":
+                    wait_for(lambda job=job: job.index >= 1 or job.future.done())
                 second = engine.submit(engine.job(["a handwritten digit three"], seed=6))
                 results = [first.result(timeout=120), second.result(timeout=120)]
             finally:
@@ -266,7 +314,9 @@ def http(pipe):
     ({"prompt": "a", "scheduler": "fast"}, "scheduler"), ({"prompt": "a", "guidance_scale": -1}, "guidance_scale"),
     ({"prompt": ["a", "b"], "format": "png"}, "format"), ({"prompt": "a", "format": "jpeg"}, "format"),
     ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": "a", "timeout_s": 0}, "timeout_s"),
-    ({"prompt": "a", "stepz": 4}, "stepz"), ({}, "prompt"),
+    ({"prompt": "a", "stepz": 4}, "stepz"), ({}, "prompt"), ({"prompt": "a", "steps": True}, "steps"),
+    ({"prompt": "a", "timeout_s": 1e9}, "timeout_s"),
+    ({"prompt": "a", "scheduler": "lcm", "steps": 60}, "steps"),  # beyond the LCM scheduler's training grid
 ])
 def test_bad_input_is_a_422_naming_the_field_and_the_service_goes_on(http, body, field):
     client, _ = http
@@ -296,17 +346,23 @@ def test_http_answers_images_health_metrics_429_and_504(http, pipe):
     # fill the service: the denoiser holds 4 images, one batch waits beside it, the stage queue holds two, the
     # encoder one, the request queue two (queue_size); nothing more is taken, and the next request is told
     # when to retry
+    gate = threading.Event()
+    step = engine._stream_step
+    engine._stream_step = lambda jobs: (gate.wait(60), step(jobs))  # the denoiser holds until we let it go
     held = []
-    with pytest.raises(QueueFull):
-        for i in range(20):
-            first = i == 0  # 100 steps of 4 images hold the denoiser while the rest piles up
-            held.append(engine.submit(engine.job(PROMPTS[:4] if first else [PROMPTS[i % 10]], seed=i,
-                                                 steps=100 if first else 1)))
-            time.sleep(0.02)
+    try:
+        with pytest.raises(QueueFull):
+            for i in range(30):
+                held.append(engine.submit(engine.job(PROMPTS[:4] if i == 0 else [PROMPTS[i % 10]], seed=i,
+                                                     steps=2)))
+                time.sleep(0.02)
+        response = client.post("/generate", json={"prompt": PROMPTS[5]})
+    finally:
+        gate.set()
+        engine._stream_step = step
     # bounded: the 4-image job denoising, then batches of at most 4 single jobs beside it (one), in the stage
     # queue (two), in the encoder (one), and queue_size=2 waiting jobs: memory cannot grow with the load
     assert len(held) <= 1 + 4 * (1 + 2 + 1) + 2
-    response = client.post("/generate", json={"prompt": PROMPTS[5]})
     assert response.status_code == 429, response.text
     assert int(response.headers["Retry-After"]) >= 1
     for future in held:
@@ -329,6 +385,56 @@ def test_http_answers_images_health_metrics_429_and_504(http, pipe):
     assert "digits-teacher" in page and f'value="{STEPS}"' in page
 
 
+def test_nan_deadlines_are_a_422_and_every_422_is_counted(http):
+    from distill.serve.client import parse_metrics
+
+    client, _ = http
+    before = parse_metrics(client.get("/metrics").text).get('distill_serve_requests_total{code="422"}', 0)
+    response = client.post("/generate", content=b'{"prompt": "a", "timeout_s": NaN}',
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"][-1] == "timeout_s"
+    assert client.post("/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
+    after = parse_metrics(client.get("/metrics").text)['distill_serve_requests_total{code="422"}']
+    assert after == before + 2
+
+
+def test_a_client_that_hangs_up_has_its_request_cancelled(pipe):
+    """A client that gives up (closes the connection) before its image is made: the request is dropped in the
+    denoiser, no image is counted, and the service answers the next request."""
+    import httpx
+    import uvicorn
+
+    from distill.serve.app import create_app
+    from distill.serve.client import parse_metrics
+    from distill.serve.metrics import ServeMetrics
+
+    engine = make_engine(pipe, mode="stream", max_wait_ms=0.0, metrics=ServeMetrics())
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started and server.servers)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/generate", json={"prompt": PROMPTS[1], "steps": 100}, timeout=0.3)
+        wait_for(lambda: engine.inflight == 0, timeout=30)  # cancelled, not run to the end
+        metrics = parse_metrics(httpx.get(f"{url}/metrics").text)
+        assert metrics['distill_serve_requests_total{code="499"}'] == 1
+        assert metrics.get("distill_serve_images_total", 0) == 0 and metrics["distill_serve_dropped_total"] == 1
+        assert httpx.post(f"{url}/generate", json={"prompt": PROMPTS[2], "steps": 2}, timeout=60).status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+
+
+def test_a_classifier_guide_without_labels_is_refused(pipe):
+    from distill.accelerate import ClassifierGuidance
+
+    with pytest.raises(ValueError, match="accelerate.options.labels"):
+        make_engine(pipe, mode="pipeline", accelerator=ClassifierGuidance(scale=1.0, mode="noisy"))
+
+
 def _start_server(*overrides: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "distill.serve", "port=0", *overrides], cwd=ROOT, env=env,
@@ -347,7 +453,7 @@ def _start_server(*overrides: str) -> tuple[subprocess.Popen, str]:
 def test_sigterm_finishes_requests_in_flight_then_exits():
     """SIGTERM while four requests are being served: each gets its image, the service takes no new one, and the
     process exits 0."""
-    from distill.serve import Client, ServeError
+    from distill.serve import Client
 
     proc, url = _start_server("steps=30", "engine.mode=pipeline", "engine.max_batch_size=2")
     try:
@@ -368,10 +474,17 @@ def test_sigterm_finishes_requests_in_flight_then_exits():
         while client.metrics().get("distill_serve_requests_in_flight", 0) < 4 and time.monotonic() < deadline:
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the signal is handled: the listener closes
+            try:
+                if client.http.get("/health").status_code == 503:
+                    break
+            except Exception:  # noqa: BLE001 - connection refused: no longer listening
+                break
+            time.sleep(0.02)
         try:
             refused = client.generate(PROMPTS[9])
-        except (ServeError, OSError, Exception) as err:  # 503 while draining, or the listener is closed
+        except Exception as err:  # noqa: BLE001 - 503 while draining, or the listener is closed
             refused = err
         for thread in threads:
             thread.join(timeout=120)

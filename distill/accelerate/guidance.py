@@ -87,6 +87,12 @@ class ClassifierGuidance(Accelerator):
     def describe(self) -> str:
         return f"classifier({self.mode},s={self.scale:g})"
 
+    @property
+    def needs_labels(self) -> bool:
+        """Whether the caller must give each call's class labels (``use_labels``): a classifier's guide without
+        fixed labels; the CLIP guide steers towards the prompts."""
+        return self.mode != "clip" and self.fixed_labels is None
+
     def use_labels(self, labels: torch.Tensor | None) -> None:
         self.labels = self.fixed_labels if self.fixed_labels is not None else labels
 

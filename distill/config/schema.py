@@ -302,7 +302,7 @@ class ServeConfig:
     device: str | None = None  # default: cuda when available, else cpu
     dtype: str = "float32"  # float32, float16 or bfloat16
     threads: int | None = None  # torch intra-op threads; default: torch's
-    drain_timeout_s: float = 60.0  # on SIGTERM: how long requests in flight may take to finish
+    drain_timeout_s: float = 150.0  # on SIGTERM: how long requests in flight may take (> engine.timeout_s)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

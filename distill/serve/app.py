@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,6 +38,7 @@ from distill.serve.engine import DeadlineExceeded, Draining, Engine, QueueFull
 from distill.serve.metrics import ServeMetrics
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
 
 class GenerateRequest(BaseModel):
@@ -45,16 +47,18 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str | list[str] = Field(description="a prompt, or a list of prompts (one image each)")
-    steps: int | None = Field(None, description="denoising steps")
+    steps: int | None = Field(None, strict=True, description="denoising steps")
     guidance_scale: float | None = Field(None, description="classifier-free guidance scale (or the guidance "
                                                            "input of a student that takes one)")
-    seed: int | None = Field(None, ge=0, lt=2**63, description="image i uses seed + i; default: random (returned)")
-    height: int | None = Field(None, description="a multiple of the VAE factor")
-    width: int | None = Field(None, description="a multiple of the VAE factor")
+    seed: int | None = Field(None, ge=0, lt=2**63, strict=True,
+                             description="image i uses seed + i; default: random (returned)")
+    height: int | None = Field(None, strict=True, description="a multiple of the VAE factor")
+    width: int | None = Field(None, strict=True, description="a multiple of the VAE factor")
     scheduler: str | None = Field(None, description="a scheduler name (ddim, dpmsolver, euler, lcm, ...)")
     format: Literal["base64", "png"] = Field("base64", description="base64: JSON with base64 PNGs; png: the "
                                                                    "image (one prompt)")
-    timeout_s: float | None = Field(None, description="deadline in seconds from arrival (504 past it)")
+    timeout_s: float | None = Field(None, allow_inf_nan=False,
+                                    description="deadline in seconds from arrival (504 past it); at most the server's")
 
 
 def _invalid(errors: list[tuple[str, str]]) -> JSONResponse:
@@ -87,8 +91,9 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
                 "height": engine.native, "width": engine.native, "max_steps": engine.max_steps,
                 "max_batch_size": engine.max_batch_size, "vae_factor": engine.factor, "timeout_s": engine.timeout_s}
 
-    @app.post("/generate", responses={200: {"content": {"image/png": {}}}, 422: {}, 429: {}, 503: {}, 504: {}})
-    async def generate(body: GenerateRequest) -> Response:
+    @app.post("/generate", responses={200: {"content": {"image/png": {}}}, 429: {"description": "queue full"},
+                                      503: {"description": "shutting down"}, 504: {"description": "past deadline"}})
+    async def generate(body: GenerateRequest, request: Request) -> Response:
         """Generate one image per prompt."""
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         errors = engine.check(prompts, body.steps, body.guidance_scale, body.height, body.width, body.scheduler,
@@ -106,16 +111,30 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
             return answer(JSONResponse(status_code=429, content={"detail": str(err)},
                                        headers={"Retry-After": str(math.ceil(err.retry_after))}))
         except Draining as err:
-            return answer(JSONResponse(status_code=503, content={"detail": str(err)}))
+            return answer(JSONResponse(status_code=503, content={"detail": str(err)}, headers={"Retry-After": "5"}))
         metrics.inflight.inc()
+        waiting = asyncio.wrap_future(future)
         try:
-            result = await asyncio.wait_for(asyncio.wrap_future(future), timeout=max(0.0, job.deadline - time.monotonic()))
+            while True:  # the answer, the deadline, or the client hanging up: whichever comes first
+                left = job.deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                done, _ = await asyncio.wait({waiting}, timeout=min(left, DISCONNECT_POLL_S))
+                if done:
+                    result = waiting.result()
+                    break
+                if await request.is_disconnected():  # nobody will read the images: stop making them
+                    future.cancel()
+                    return answer(Response(status_code=499))
         except (TimeoutError, DeadlineExceeded):
             future.cancel()
             return answer(JSONResponse(status_code=504, content={
                 "detail": f"request {job.id} did not finish within timeout_s={job.timeout_s}; it was cancelled"}))
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
         except Draining as err:
-            return answer(JSONResponse(status_code=503, content={"detail": str(err)}))
+            return answer(JSONResponse(status_code=503, content={"detail": str(err)}, headers={"Retry-After": "5"}))
         except Exception as err:  # noqa: BLE001 - the batch failed; the service goes on
             return answer(JSONResponse(status_code=500, content={"detail": f"{type(err).__name__}: {err}"}))
         finally:
@@ -132,9 +151,10 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
     @app.get("/health")
     async def health() -> JSONResponse:
         """Status (``ok``, or ``draining`` with 503 during shutdown), mode, queue and the request defaults."""
-        body = {"status": "ok" if engine.accepting else "draining", "model": model, "mode": engine.mode,
+        status = "draining" if not engine.accepting else "ok" if engine.healthy() else "stage stopped"
+        body = {"status": status, "model": model, "mode": engine.mode,
                 "queue_depth": len(engine.queue), "in_flight": engine.inflight, "defaults": defaults()}
-        return JSONResponse(body, status_code=200 if engine.accepting else 503)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -148,6 +168,12 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
         for key, value in {**defaults(), "model": model}.items():
             page = page.replace("{{" + key + "}}", html.escape(str(value)))
         return HTMLResponse(page)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> Response:
+        # FastAPI's 422 shape without echoing the input (which may hold a NaN that JSON cannot carry), counted
+        return answer(JSONResponse(status_code=422, content={"detail": [
+            {"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in err.errors()]}))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception) -> JSONResponse:

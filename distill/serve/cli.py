@@ -130,6 +130,7 @@ def serve(cfg: DictConfig) -> None:
     app = create_app(engine, model, cfg.drain_timeout_s)
     server = _server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.drain_timeout_s))
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
     print(f"distill.serve: {model} ({engine.mode} mode, batch {engine.max_batch_size}, {engine.default_steps} steps, "
           f"guidance {engine.default_guidance}) on http://{host}:{port}", flush=True)
     server.run(sockets=[sock])

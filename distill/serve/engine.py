@@ -33,6 +33,7 @@ cancelled, is dropped at the next stage boundary (or denoising step, in stream m
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import itertools
@@ -68,7 +69,7 @@ class Draining(RuntimeError):
     """The engine is shutting down: it finishes the jobs it holds and takes no new ones."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: queues remove jobs by identity
 class Job:
     """One request: ``len(prompts)`` images, image i from seed ``seeds[i]``."""
 
@@ -129,15 +130,16 @@ class Result:
         return [Image.open(io.BytesIO(b)) for b in self.png]
 
 
-def _settle(job: Job, result=None, error: BaseException | None = None) -> None:
-    """Resolve the job's future unless the caller cancelled it (a late result is dropped)."""
+def _settle(job: Job, result=None, error: BaseException | None = None) -> bool:
+    """Resolve the job's future unless the caller cancelled it (a late result is dropped); True if resolved."""
     try:
         if error is not None:
             job.future.set_exception(error)
         else:
             job.future.set_result(result)
+        return True
     except InvalidStateError:
-        pass
+        return False
 
 
 class JobQueue:
@@ -222,6 +224,9 @@ class Engine:
             raise ValueError(f"scheduler={scheduler!r} is unknown; use one of {sorted(SCHEDULERS)}")
         if not 1 <= steps <= max_steps:
             raise ValueError(f"steps={steps} must lie in [1, max_steps={max_steps}]")
+        if accelerator is not None and getattr(accelerator, "needs_labels", False):
+            raise ValueError(f"accelerate={accelerator.describe()} guides towards class labels, which a served request "
+                             "does not carry; give accelerate.options.labels, or use mode=clip (guidance by the prompt)")
         if mode == "stream" and accelerator is not None:
             raise ValueError(f"accelerate={accelerator.describe()} keeps state along one trajectory, and mode=stream "
                              "batches jobs at different steps; use mode=pipeline (or batch) with an accelerator")
@@ -237,7 +242,7 @@ class Engine:
         self.scheduler_options = dict(scheduler_options or {})
         self._streams: dict[str, torch.cuda.Stream] = {}
         self.accelerator = accelerator
-        self.device, self.dtype = pipe.unet.device, pipe.unet.dtype
+        self.device = pipe.unet.device
         self.factor = pipe.vae_scale_factor
         self.native = pipe.unet.config.sample_size * self.factor
         self.own_scheduler = (type(pipe.scheduler), pipe.scheduler.config)
@@ -248,15 +253,16 @@ class Engine:
         self.stop = threading.Event()
         self.accepting = True
         self.inflight = 0
+        self.jobs: set[Job] = set()  # accepted and not yet settled
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.ids = itertools.count(1)
-        self.seconds_per_image = 0.0  # running estimate, for Retry-After
+        self.seconds_per_image = 0.0  # running estimate of 1 / throughput, for Retry-After
+        self._last_finish = 0.0
         with torch.no_grad():  # the unconditional embedding of classifier-free guidance, once
             self.null_embeds = pipe.encode_prompt([""], self.device, 1, False)[0]
         self.threads: list[threading.Thread] = []
-        self.pending: deque[Job] = deque()  # stream: encoded jobs waiting to join the denoiser
-        self.pending_cond = threading.Condition()
+        self._step_limits: dict[tuple, str | None] = {}
         if accelerator is not None:
             from distill.accelerate import enable
 
@@ -293,9 +299,24 @@ class Engine:
                                      f"[{self.factor}, {4 * self.native}] (this model's native size is {self.native})"))
         if scheduler is not None and scheduler not in SCHEDULERS:
             errors.append(("scheduler", f"scheduler={scheduler!r} is unknown; use one of {sorted(SCHEDULERS)}"))
-        if timeout_s is not None and timeout_s <= 0:
-            errors.append(("timeout_s", f"timeout_s={timeout_s} must be > 0"))
+        elif steps is not None and 1 <= steps <= self.max_steps:
+            limit = self.step_limit(scheduler or self.default_scheduler, steps)
+            if limit:
+                errors.append(("steps", f"steps={steps}: {limit}"))
+        if timeout_s is not None and not 0 < timeout_s <= self.timeout_s:
+            errors.append(("timeout_s", f"timeout_s={timeout_s} must lie in (0, {self.timeout_s}] (engine.timeout_s)"))
         return errors
+
+    def step_limit(self, scheduler: str | None, steps: int) -> str | None:
+        """Why ``scheduler`` cannot take ``steps`` (e.g. LCM's limit of its training grid), else None."""
+        key = (scheduler, steps)
+        if key not in self._step_limits:
+            try:
+                self.scheduler_for(scheduler).set_timesteps(steps, device="cpu")
+                self._step_limits[key] = None
+            except Exception as err:  # noqa: BLE001 - the scheduler's own message names the limit
+                self._step_limits[key] = f"{scheduler or 'the pipeline scheduler'} refuses it ({err})"
+        return self._step_limits[key]
 
     def job(self, prompts: list[str], seed: int, steps: int | None = None, guidance_scale: float | None = None,
             height: int | None = None, width: int | None = None, scheduler: str | None = None,
@@ -304,21 +325,23 @@ class Engine:
         errors = self.check(prompts, steps, guidance_scale, height, width, scheduler, timeout_s)
         if errors:
             raise ValueError("; ".join(message for _, message in errors))
+        scheduler = scheduler or self.default_scheduler
         return Job(list(prompts), [seed + i for i in range(len(prompts))], steps or self.default_steps,
                    self.default_guidance if guidance_scale is None else float(guidance_scale),
-                   height or self.native, width or self.native, scheduler or self.default_scheduler,
+                   height or self.native, width or self.native, None if scheduler == self.own_name else scheduler,
                    timeout_s or self.timeout_s)
 
     def submit(self, job: Job) -> Future:
         """Queue ``job``; its future resolves to a :class:`Result`, or raises :class:`DeadlineExceeded` (or the
         error of its batch). Raises :class:`QueueFull` or :class:`Draining` at once."""
-        if not self.accepting:
-            raise Draining("the service is shutting down")
+        with self.lock:  # against close(): a job is either refused or counted before the drain waits
+            if not self.accepting:
+                raise Draining("the service is shutting down")
+            self.inflight += 1
+            self.jobs.add(job)
         job.id, job.submitted = next(self.ids), time.monotonic()
         job.deadline = job.submitted + (job.timeout_s or self.timeout_s)
-        with self.lock:
-            self.inflight += 1
-        job.future.add_done_callback(lambda _: self._done())
+        job.future.add_done_callback(lambda _: self._done(job))
         try:
             self.queue.put(job, self.retry_after())
         except QueueFull:
@@ -329,27 +352,33 @@ class Engine:
         return job.future
 
     def retry_after(self) -> float:
-        """Seconds until the queue has room, estimated from the recent time per image (at least 1)."""
-        waiting = sum(job.n for job in list(self.queue.items))
-        return max(1.0, waiting * self.seconds_per_image)
+        """Seconds until the queue has room for a request: the time the engine takes for a batch of images,
+        from the recent throughput (at least 1)."""
+        return max(1.0, self.max_batch_size * self.seconds_per_image)
 
-    def _done(self) -> None:
+    def _done(self, job: Job) -> None:
         with self.lock:
             self.inflight -= 1
+            self.jobs.discard(job)
             self.idle.notify_all()
 
     def close(self, drain: bool = True, timeout: float | None = None) -> bool:
         """Stop taking jobs; with ``drain``, finish the ones held (at most ``timeout`` seconds), else cancel them.
         True when every job was settled."""
-        self.accepting = False
+        with self.lock:
+            self.accepting = False
+            held = list(self.jobs)
         if not drain:
-            for job in list(self.queue.items):
-                _settle(job, error=Draining("the service stopped before this request ran"))
+            for job in held:
+                _settle(job, error=Draining("the service stopped before this request finished"))
         with self.lock:
             settled = self.idle.wait_for(lambda: self.inflight == 0, timeout)
         self.stop.set()
         for thread in self.threads:
-            thread.join(timeout=5)
+            thread.join(timeout=30)
+        if any(thread.is_alive() for thread in self.threads):
+            log.warning("a stage is still busy after the drain; the pipeline is left as it is")
+            return False
         if self.accelerator is not None:
             from distill.accelerate import disable
 
@@ -357,6 +386,10 @@ class Engine:
         cls, config = self.own_scheduler
         self.pipe.scheduler = cls.from_config(config)  # as it was before any request chose another
         return settled
+
+    def healthy(self) -> bool:
+        """Every stage thread is running (a stage that died would leave requests to time out)."""
+        return all(thread.is_alive() for thread in self.threads)
 
     # ---------------------------------------------------------------- stages
 
@@ -400,12 +433,7 @@ class Engine:
         carries the error)."""
         start = time.perf_counter()
         try:
-            if self.device.type == "cuda":
-                stream = self._streams.setdefault(stage, torch.cuda.Stream(self.device))
-                with torch.cuda.stream(stream):
-                    fn(jobs)
-                stream.synchronize()  # the next stage (another thread, another stream) reads these tensors
-            else:
+            with self._stream(stage):
                 fn(jobs)
         except Exception as err:  # noqa: BLE001 - a failed batch fails its requests, never the service
             log.exception("%s failed for requests %s", stage, [j.id for j in jobs])
@@ -422,6 +450,29 @@ class Engine:
             self.metrics.batch_size.labels(stage).observe(images)
         return True
 
+    @contextlib.contextmanager
+    def _stream(self, stage: str):
+        """On a GPU: the stage's own CUDA stream, synchronised at the end, since the next stage (another thread,
+        another stream) reads what it made; on a CPU nothing."""
+        if self.device.type != "cuda":
+            yield
+            return
+        if stage not in self._streams:
+            self._streams[stage] = torch.cuda.Stream(self.device)
+        stream = self._streams[stage]
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
+
+    def _guarded(self, jobs: list[Job], fn: Callable[[], None]) -> None:
+        """Run a stage loop's step; an error outside the stage's own work fails these jobs, not the thread."""
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001
+            log.exception("serving requests %s failed", [j.id for j in jobs])
+            for job in jobs:
+                _settle(job, error=err)
+
     def _serial(self) -> None:
         while True:
             jobs = self._live(self._take())
@@ -429,13 +480,17 @@ class Engine:
                 if self.stop.is_set():
                     return
                 continue
-            for stage, fn in (("encode", self._encode), ("denoise", self._denoise), ("decode", self._decode)):
-                if not jobs or not self._timed(stage, jobs, fn):
-                    break
-                if stage == "decode":
-                    self._finish(jobs)
-                else:
-                    jobs = self._live(jobs)
+
+            def run(jobs=jobs):
+                for stage, fn in (("encode", self._encode), ("denoise", self._denoise), ("decode", self._decode)):
+                    if not jobs or not self._timed(stage, jobs, fn):
+                        return
+                    if stage == "decode":
+                        self._finish(jobs)
+                    else:
+                        jobs = self._live(jobs)
+
+            self._guarded(jobs, run)
 
     def _encoder(self, out) -> None:
         while True:
@@ -457,8 +512,9 @@ class Engine:
 
     def _decoder(self, inp) -> None:
         while (jobs := inp.get()) is not None:
-            if self._timed("decode", jobs, self._decode):
-                self._finish(jobs)
+            jobs = self._live(jobs)  # a request that gave up is not decoded
+            if jobs and self._timed("decode", jobs, self._decode):
+                self._guarded(jobs, lambda jobs=jobs: self._finish(jobs))
 
     # ---------------------------------------------------------------- the work of each stage
 
@@ -503,10 +559,15 @@ class Engine:
 
     @torch.no_grad()
     def _decode(self, jobs: list[Job]) -> None:
-        vae = self.pipe.vae
+        pipe = self.pipe
+        vae = pipe.vae
         latents = torch.cat([job.latents for job in jobs])
         pixels = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
-        images = self.pipe.image_processor.postprocess(pixels, output_type="pil")
+        denormalize = None
+        if getattr(pipe, "safety_checker", None) is not None:  # as pipe(prompt) does: flagged images come out black
+            pixels, flagged = pipe.run_safety_checker(pixels, self.device, latents.dtype)
+            denormalize = [not f for f in flagged] if flagged is not None else None
+        images = pipe.image_processor.postprocess(pixels, output_type="pil", do_denormalize=denormalize)
         offset = 0
         for job in jobs:
             job.png = []
@@ -519,10 +580,17 @@ class Engine:
     def _finish(self, jobs: list[Job]) -> None:
         now = time.monotonic()
         for job in jobs:
-            _settle(job, Result(job.png, job.seeds, now - job.submitted, dict(job.timings), dict(job.batch_sizes)))
+            settled = _settle(job, Result(job.png, job.seeds, now - job.submitted, dict(job.timings),
+                                          dict(job.batch_sizes)))
             if self.metrics is not None:
-                self.metrics.completed(job.n, now - job.submitted)
-        per_image = sum(jobs[0].timings.values()) / sum(job.n for job in jobs)  # conservative when stages overlap
+                if settled:
+                    self.metrics.completed(job.n, now - job.submitted)
+                else:
+                    self.metrics.dropped.inc()
+        # throughput: seconds between finished images (a running mean), or one batch's time at the start
+        last, self._last_finish = self._last_finish, now
+        images = sum(job.n for job in jobs)
+        per_image = (now - last if last else sum(jobs[0].timings.values())) / images
         self.seconds_per_image = 0.8 * self.seconds_per_image + 0.2 * per_image if self.seconds_per_image else per_image
 
     # ---------------------------------------------------------------- stream batching
@@ -532,6 +600,8 @@ class Engine:
         from diffusers.utils.torch_utils import randn_tensor
 
         pipe = self.pipe
+        if self.device.type == "cuda":  # made on the encoder's stream, read and freed on this one
+            job.embeds.record_stream(torch.cuda.current_stream(self.device))
         job.sched = self.scheduler_for(job.scheduler)
         job.sched.set_timesteps(job.steps, device=self.device)
         job.timesteps, job.index = job.sched.timesteps, 0
@@ -582,7 +652,8 @@ class Engine:
                     size = job.size_key()
             for job in self._live(admitted):
                 try:
-                    self._prepare(job)
+                    with self._stream("denoise"):  # the stream the steps run on
+                        self._prepare(job)
                     active.append(job)
                 except Exception as err:  # noqa: BLE001
                     log.exception("request %s could not start", job.id)
@@ -608,7 +679,8 @@ class Engine:
         for job in jobs:
             t = job.timesteps[job.index]
             x = torch.cat([job.latents] * 2) if job.cfg else job.latents
-            x = job.sched.scale_model_input(x, t)
+            if hasattr(job.sched, "scale_model_input"):
+                x = job.sched.scale_model_input(x, t)
             xs.append(x)
             ts.append(t.reshape(1).expand(len(x)))
             embeds.append(job.embeds)

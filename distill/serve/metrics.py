@@ -37,6 +37,7 @@ class ServeMetrics:
         self.throughput.set_function(self.images_per_second)
         self.window_s = window_s
         self._recent: deque[tuple[float, int]] = deque()
+        self._start = time.monotonic()
         self._lock = threading.Lock()
 
     def completed(self, images: int, latency_s: float) -> None:
@@ -50,10 +51,8 @@ class ServeMetrics:
         with self._lock:
             while self._recent and self._recent[0][0] < now - self.window_s:
                 self._recent.popleft()
-            if not self._recent:
-                return 0.0
-            span = max(now - self._recent[0][0], 1e-3)
-            return sum(n for _, n in self._recent) / span if len(self._recent) > 1 else 0.0
+            span = min(self.window_s, now - self._start)  # the window, or the uptime when shorter
+            return sum(n for _, n in self._recent) / span if span > 0 else 0.0
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
