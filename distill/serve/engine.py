@@ -24,9 +24,9 @@ embedding, scheduler step), batched across jobs.
 
 Backpressure: at most ``queue_size`` jobs wait to enter the first stage (:class:`QueueFull` beyond it, the
 HTTP layer's 429), stage queues hold ``stage_queue_size`` batches of at most ``max_batch_size`` images, each
-stage works on one batch, the stream denoiser holds one batch beside its active ``max_batch_size`` images:
-what the engine holds is bounded under any load (at most ``queue_size`` jobs plus ``2 stage_queue_size + 4``
-batches). A job past its deadline, or whose future was
+stage works on one batch, the stream denoiser holds less than ``2 max_batch_size`` images beside its active
+``max_batch_size``: what the engine holds is bounded under any load (at most ``queue_size`` jobs plus
+``2 stage_queue_size + 5`` batches). A job past its deadline, or whose future was
 cancelled, is dropped at the next stage boundary (or denoising step, in stream mode) with
 :class:`DeadlineExceeded`.
 """
@@ -628,9 +628,9 @@ class Engine:
         waiting: deque[Job] = deque()
         upstream_done = False
         while True:
-            # admit: block only when nothing is active; read on only when nothing waits (the stage queue stays
-            # the buffer, so that backpressure reaches the request queue)
-            while not upstream_done and not waiting:
+            # take encoded jobs while fewer than a batch of images wait beside the active ones (the stage queue
+            # stays the buffer, so that backpressure reaches the request queue); block only when idle
+            while not upstream_done and sum(job.n for job in waiting) < self.max_batch_size:
                 try:
                     jobs = inp.get(block=not active and not waiting, timeout=0.05)
                 except Exception:  # queue.Empty
