@@ -144,6 +144,7 @@ def run(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
+        check_objectives(cfg)
     except ConfigError as err:
         _fail(run_dir, str(err))
     cfg = plain_choices(cfg)
@@ -256,9 +257,70 @@ def _attach_quality_cost(trainer, run_dir: Path) -> None:
             attach_quality_cost(folder, history)
 
 
+def check_objectives(cfg: DictConfig) -> None:
+    """Each objective names a quality-cost column (the quality_cost callback then must be on) or a logged
+    metric ("group/name"); raises ConfigError before any compute."""
+    from distill.config.validate import ConfigError
+    from distill.metrics.report import columns
+
+    known = set(columns()) - {"model", "scheduler", "accelerate", "step"}
+    for name in cfg.get("objectives") or []:
+        if "/" in name:
+            continue
+        if name not in known:
+            raise ConfigError(f"objectives: {name!r} is neither a quality-cost column ({sorted(known)}) nor a logged "
+                              "metric (group/name, e.g. train/loss)")
+        callback = (cfg.get("callbacks") or {}).get("quality_cost")
+        if callback is None:
+            raise ConfigError(f"objectives: {name!r} is measured by the quality_cost callback, which this run does not "
+                              "have; add callbacks=[default,quality_cost] (or use a +exp that has it)")
+        steps = cfg.get("objective_steps") or cfg.scheduler.num_inference_steps
+        measured = callback.get("steps")
+        if measured is not None and steps not in list(measured):
+            raise ConfigError(f"objectives at {steps} steps: callbacks.quality_cost.steps={list(measured)} does not "
+                              "measure that count; set objective_steps to one of them")
+
+
+def objective(cfg: DictConfig, run_dir: Path, metrics: dict) -> float | list[float] | None:
+    """The values of ``cfg.objectives`` after training: quality-cost columns from the student's last evaluation
+    (rows of quality_cost.csv with model "student", the largest step, ``objective_steps`` steps of the
+    scheduler ``scheduler.name``) and logged metrics; one name gives a float, several a list."""
+    import csv
+
+    names = list(cfg.get("objectives") or [])
+    if not names:
+        return None
+    steps = cfg.get("objective_steps") or cfg.scheduler.num_inference_steps
+    row: dict = {}
+    path = run_dir / "quality_cost.csv"
+    if any("/" not in n for n in names):
+        rows = [r for r in csv.DictReader(open(path))] if path.is_file() else []
+        rows = [r for r in rows if r["model"] == "student" and r["scheduler"] == cfg.scheduler.name
+                and int(float(r["steps"])) == steps]
+        if not rows:
+            raise ValueError(f"objectives {names}: {path} has no student row at {steps} steps of "
+                             f"{cfg.scheduler.name}; set objective_steps to a step count the quality_cost callback "
+                             "measures")
+        last = max(float(r.get("step") or 0) for r in rows)
+        row = [r for r in rows if float(r.get("step") or 0) == last][-1]
+    values = []
+    for name in names:
+        value = metrics.get(name) if "/" in name else row.get(name)
+        if value in (None, ""):
+            raise ValueError(f"objective {name!r} was not measured (logged metrics: {sorted(metrics)})")
+        values.append(float(value))
+    log.info("objectives %s", ", ".join(f"{n}={v:.4g}" for n, v in zip(names, values)))
+    return values[0] if len(values) == 1 else values
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
-    run(cfg)
+def main(cfg: DictConfig) -> float | list[float] | None:
+    """Train; returns ``cfg.objectives`` (what a Hydra sweeper optimises), None without them."""
+    metrics = run(cfg)
+    if global_rank() != 0:
+        return None
+    # a value that was not measured raises: in a sweep that trial fails and the sweep goes on
+    return objective(cfg, Path(HydraConfig.get().runtime.output_dir), metrics)
 
 
 if __name__ == "__main__":

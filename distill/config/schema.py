@@ -208,6 +208,11 @@ class TrainConfig:
     sample_grid_seeds: int = 8
     tags: list[str] = field(default_factory=list)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    # what the command returns to a Hydra sweeper (Optuna: one name is one objective, several a Pareto search):
+    # columns of the student's final quality-cost evaluation (fid, kid, clip_score, latency_s, gflops_per_image, ...)
+    # at objective_steps steps of scheduler.name, or metrics the run logged (names with a "/": train/loss)
+    objectives: list[str] = field(default_factory=list)
+    objective_steps: int | None = None  # default: the student's intended step count (scheduler.num_inference_steps)
 
 
 @dataclass
