@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -60,11 +61,12 @@ def format_quality(row: dict) -> str:
                     for name, cls in METRICS.items() if name in row)
 
 
-def write_csv(rows: list[dict], path: Path, append: bool = False) -> None:
-    """Write (or append to) a CSV of ``columns()``; appending keeps an existing file's header (an older run's)."""
+def write_csv(rows: list[dict], path: Path, append: bool = False, lead: Sequence[str] = ()) -> None:
+    """Write (or append to) a CSV of ``columns()`` (after the ``lead`` columns, e.g. a cross-run report's run and
+    overrides); appending keeps an existing file's header (an older run's)."""
     path = Path(path)
     new = not (append and path.exists())
-    header = columns()
+    header = list(lead) + columns()
     if not new:
         with open(path, newline="") as f:
             header = next(csv.reader(f), header)
@@ -88,9 +90,10 @@ def format_floor(floor: dict) -> str:
     return "real-data floor: " + ", ".join(parts)
 
 
-def format_table(rows: list[dict], floor: dict | None = None) -> str:
-    """A Markdown table of the rows, each quality number as ``value ± std`` (and the real-data floor)."""
-    cols = [c for c in columns() if any(c in r for r in rows) and not c.endswith("_std")]
+def format_table(rows: list[dict], floor: dict | None = None, lead: Sequence[str] = ()) -> str:
+    """A Markdown table of the rows, each quality number as ``value ± std`` (and the real-data floor), the ``lead``
+    columns first."""
+    cols = list(lead) + [c for c in columns() if any(c in r for r in rows) and not c.endswith("_std")]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(_cell(r, c) for c in cols) + " |")
@@ -100,10 +103,12 @@ def format_table(rows: list[dict], floor: dict | None = None) -> str:
 
 
 def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", floor: dict | None = None,
-                x: str = "latency_s", y: str = "fid", series_of=None, point_label=None) -> Path:
+                x: str = "latency_s", y: str = "fid", series_of=None, point_label=None,
+                legend_outside: bool | None = None) -> Path:
     """FID against latency per image with +-1 std error bars, one series per (model, scheduler) (or per
     ``series_of(row)``, each point labelled ``point_label(row)``, default its steps), the front drawn as a line,
-    the real-data floor as a band."""
+    the real-data floor as a band. The legend goes beside the axes with more than 8 series, or as
+    ``legend_outside`` says (long series names)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,7 +138,7 @@ def plot_pareto(rows: list[dict], path: Path, title: str = "quality vs cost", fl
     ax.set_xlabel("latency per image (s)" if x == "latency_s" else x)
     ax.set_ylabel(y.upper() if y == "fid" else y)
     ax.set_title(title)
-    if len(series) > 8:  # many series: the legend beside the axes, not over the points
+    if legend_outside or (legend_outside is None and len(series) > 8):  # beside the axes, not over the points
         fig.set_size_inches(9.5, 4.8)
         ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     else:
