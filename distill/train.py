@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -167,7 +168,13 @@ def run(cfg: DictConfig) -> dict:
     except (CheckpointError, FileNotFoundError, FileExistsError) as err:
         _fail(run_dir, str(err))
     wandb_id = (checkpoint or {}).get("distill", {}).get("wandb_run_id")
-    if wandb_id and cfg.logger.get("wandb") is not None:  # the resumed run continues the same wandb run
+    from hydra.types import RunMode
+
+    wandb_cfg = cfg.logger.get("wandb")
+    if wandb_cfg is not None and HydraConfig.get().mode == RunMode.MULTIRUN and not wandb_cfg.get("group"):
+        # the runs of one sweep form one wandb group (named after the sweep directory), with the job's overrides
+        OmegaConf.update(cfg, "logger.wandb.group", Path(HydraConfig.get().sweep.dir).name, force_add=True)
+    if wandb_id and wandb_cfg is not None:  # the resumed run continues the same wandb run
         cfg.logger.wandb.id = wandb_id
         OmegaConf.update(cfg, "logger.wandb.resume", "allow", force_add=True)
 
@@ -235,6 +242,7 @@ def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:
         out = method.export(run_dir / "export")
         log.info("exported student to %s", out)
     _attach_quality_cost(trainer, run_dir)
+    _log_final_hparams(cfg, run_dir, trainer)
     from distill.methods.base import DistillMethod
 
     if cfg.sample_grid_seeds > 0 and type(method).generate is not DistillMethod.generate:
@@ -243,6 +251,29 @@ def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:
         grid = run_dir / "samples" / "final.png"
         save_sample_grid(method, grid, instantiate(cfg.eval).grid_batch(cfg.sample_grid_seeds), cfg.sample_grid_seeds)
         log.info("sample grid: %s", grid)
+
+
+HPARAM_METRICS = ("fid", "fid_std", "kid", "clip_score", "prompt_accuracy", "latency_s", "nfe", "gflops_per_image")
+
+
+def _log_final_hparams(cfg: DictConfig, run_dir: Path, trainer) -> None:
+    """TensorBoard's HParams dashboard: the job's overrides against the student's final quality and cost (its
+    row at the intended step count), so that the runs of a sweep compare there."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+    if not loggers:
+        return
+    row = student_row(cfg, run_dir)
+    final = {f"hparams/{n}": float(row[n]) for n in HPARAM_METRICS if row and row.get(n) not in (None, "")}
+    if not final:
+        return
+    params = {"exp_name": cfg.exp_name, "seed": cfg.seed}
+    for override in HydraConfig.get().overrides.task:
+        key, _, value = override.lstrip("+~").partition("=")
+        params[key] = value
+    for logger in loggers:
+        logger.log_hyperparams(params, metrics=final)
 
 
 def _attach_quality_cost(trainer, run_dir: Path) -> None:
@@ -281,28 +312,37 @@ def check_objectives(cfg: DictConfig) -> None:
                               "measure that count; set objective_steps to one of them")
 
 
+def student_row(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """The student's row of its last quality-cost evaluation at ``objective_steps`` steps of ``scheduler.name``
+    (quality_cost.csv of the run directory); None when there is none."""
+    import csv
+
+    path = run_dir / "quality_cost.csv"
+    steps = cfg.get("objective_steps") or cfg.scheduler.num_inference_steps
+    with open(path) if path.is_file() else contextlib.nullcontext([]) as f:
+        rows = [r for r in csv.DictReader(f) if r["model"] == "student" and r["scheduler"] == cfg.scheduler.name
+                and int(float(r["steps"])) == steps] if path.is_file() else []
+    if not rows:
+        return None
+    last = max(float(r.get("step") or 0) for r in rows)
+    return [r for r in rows if float(r.get("step") or 0) == last][-1]
+
+
 def objective(cfg: DictConfig, run_dir: Path, metrics: dict) -> float | list[float] | None:
     """The values of ``cfg.objectives`` after training: quality-cost columns from the student's last evaluation
     (rows of quality_cost.csv with model "student", the largest step, ``objective_steps`` steps of the
     scheduler ``scheduler.name``) and logged metrics; one name gives a float, several a list."""
-    import csv
-
     names = list(cfg.get("objectives") or [])
     if not names:
         return None
-    steps = cfg.get("objective_steps") or cfg.scheduler.num_inference_steps
     row: dict = {}
-    path = run_dir / "quality_cost.csv"
     if any("/" not in n for n in names):
-        rows = [r for r in csv.DictReader(open(path))] if path.is_file() else []
-        rows = [r for r in rows if r["model"] == "student" and r["scheduler"] == cfg.scheduler.name
-                and int(float(r["steps"])) == steps]
-        if not rows:
-            raise ValueError(f"objectives {names}: {path} has no student row at {steps} steps of "
-                             f"{cfg.scheduler.name}; set objective_steps to a step count the quality_cost callback "
-                             "measures")
-        last = max(float(r.get("step") or 0) for r in rows)
-        row = [r for r in rows if float(r.get("step") or 0) == last][-1]
+        row = student_row(cfg, run_dir)
+        if row is None:
+            steps = cfg.get("objective_steps") or cfg.scheduler.num_inference_steps
+            raise ValueError(f"objectives {names}: {run_dir / 'quality_cost.csv'} has no student row at {steps} "
+                             f"steps of {cfg.scheduler.name}; set objective_steps to a step count the quality_cost "
+                             "callback measures")
     values = []
     for name in names:
         value = metrics.get(name) if "/" in name else row.get(name)

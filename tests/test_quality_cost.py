@@ -147,10 +147,30 @@ def test_quality_cost_callback_during_training(tiny_sd, tmp_path):
         "callbacks=[default,quality_cost]", "callbacks.quality_cost.every_n_steps=2",
         "callbacks.quality_cost.steps=[1,2]", f"callbacks.quality_cost.teacher={tiny_sd}",
         "callbacks.quality_cost.teacher_steps=[2]", "callbacks.quality_cost.num_per_class=1",
-        "callbacks.samples=null", "sample_grid_seeds=0", "logger=[csv,tensorboard]", f"hydra.run.dir={run_dir}",
-        env={"HOME": str(tmp_path)},
+        "callbacks.samples=null", "sample_grid_seeds=0", "logger=[csv,tensorboard,wandb]", f"hydra.run.dir={run_dir}",
+        "scheduler.num_inference_steps=2", env={"HOME": str(tmp_path), "WANDB_MODE": "offline"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    final = next(r for r in csv.DictReader(open(run_dir / "quality_cost.csv"))
+                 if (r["model"], r["steps"], r["step"]) == ("student", "2", "4"))
+    # TensorBoard's HParams dashboard: the run's overrides against the student's final FID and latency
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0}).Reload()
+    starts = [plugin_data_pb2.HParamsPluginData.FromString(v.metadata.plugin_data.content).session_start_info
+              for f in sorted((run_dir / "tensorboard").glob("events.*")) for e in EventFileLoader(str(f)).Load()
+              for v in e.summary.value if v.tag == "_hparams_/session_start_info"]
+    # the last session (what the dashboard shows) holds the job's overrides
+    assert starts[-1].hparams["callbacks.quality_cost.num_per_class"].string_value == "1"
+    fid = [e.value for e in events.Scalars("hparams/fid")]
+    assert fid == [pytest.approx(float(final["fid"]), rel=1e-5)]
+    assert events.Scalars("hparams/latency_s")[0].value == pytest.approx(float(final["latency_s"]), rel=1e-5)
+    # wandb (offline): the quality-cost table and its scatter chart are in the run's records
+    (records,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data = records.read_bytes()
+    assert b"quality_cost" in data and b"quality_cost_scatter" in data and b"table-file" in data
     rows = list(csv.DictReader(open(run_dir / "quality_cost.csv")))
     # teacher once, then the student at steps 2 and 4 (the end), each at NFE 1 and 2
     assert [(r["model"], r["steps"], r["step"]) for r in rows] == [

@@ -216,10 +216,14 @@ class QualityCostCallback(L.Callback):
         image = Image.open(plot).convert("RGB")
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-            if hasattr(logger, "log_table"):  # wandb
+            if hasattr(logger, "log_table"):  # wandb: the table, its FID-latency scatter chart, the Pareto plot
+                import wandb
+
                 cols = [c for c in columns() if any(c in r for r in rows)]
-                logger.log_table("quality_cost", columns=cols,
-                                 data=[[r.get(c) for c in cols] for r in teacher_rows + rows], step=trainer.global_step)
+                data = wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in teacher_rows + rows])
+                chart = {"quality_cost_scatter": wandb.plot.scatter(data, "latency_s", "fid", title="FID vs latency")
+                         } if {"latency_s", "fid"} <= set(cols) else {}
+                logger.log_metrics({"quality_cost": data, **chart}, step=trainer.global_step)
                 logger.log_image("pareto", images=[image], step=trainer.global_step)
             elif hasattr(logger, "experiment") and hasattr(logger.experiment, "add_text"):  # TensorBoard
                 import numpy as np
