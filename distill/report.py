@@ -42,7 +42,7 @@ CSV_NAME = "quality_cost.csv"
 STRING_COLUMNS = {"model", "scheduler", "accelerate"}
 LEAD = ["run"]  # then one column per distinguishing override, then TAIL
 TAIL = ["pareto", "dir"]
-MAX_CONFIG_LINES = 30  # distinguishing config entries shown in a point's hover
+MAX_CONFIG_LINES = 8  # config differences shown in a point's hover (the runs table lists them all)
 TEACHER_RUN = "teacher"
 PLACEHOLDERS = ("(default)", "(none)")  # a key a run did not override, its value unknown (not set / appended)
 LEGEND_CHARS = 48  # legend names are cut here (the tables and hovers hold the whole label)
@@ -139,6 +139,12 @@ def final_rows(rows: list[dict]) -> list[dict]:
 
 def _is_teacher(row: dict) -> bool:
     return str(row.get("model", "")).startswith("teacher")
+
+
+def _callback_teacher(row: dict) -> bool:
+    """A teacher row of the training callback (it has a step), measured alongside a student; distill.evaluate's
+    rows of a teacher are the subject of their run, never merged."""
+    return _is_teacher(row) and "step" in row
 
 
 def _flatten(node, prefix: str = "") -> dict:
@@ -261,7 +267,7 @@ def _same_teacher(runs: list[Run]) -> bool:
     from distill.metrics.report import RUN_COLUMNS, quality_columns
 
     keys = RUN_COLUMNS + quality_columns()
-    measured = [t for t in (sorted(json.dumps({k: r.get(k) for k in keys}) for r in run.rows if _is_teacher(r))
+    measured = [t for t in (sorted(json.dumps({k: r.get(k) for k in keys}) for r in run.rows if _callback_teacher(r))
                             for run in runs) if t]
     return len(measured) > 1 and all(t == measured[0] for t in measured)
 
@@ -275,11 +281,11 @@ def gather(runs: list[Run], x: str = "latency_s", y: str = "fid") -> tuple[list[
 
     override_columns = list(dict.fromkeys(k for run in runs for k in run.distinct))
     once = _same_teacher(runs)
-    owner = next((run for run in runs if any(map(_is_teacher, run.rows))), None)  # the one whose teacher rows stay
+    owner = next((run for run in runs if any(map(_callback_teacher, run.rows))), None)  # its teacher rows stay
     rows = []
     for run in runs:
         for r in run.rows:
-            teacher = _is_teacher(r)
+            teacher = _callback_teacher(r)
             if once and teacher and run is not owner:
                 continue
             lead = {"run": TEACHER_RUN if once and teacher else run.label}
@@ -306,12 +312,13 @@ def _series(rows: list[dict]):
     """A plot series per run, per (run, model, scheduler) where a run has several (a teacher's schedulers beside
     its student); named by the run's number and label, cut to ``LEGEND_CHARS``."""
     numbers = _numbers(rows)
+    width = len(str(len(numbers)))
     curves: dict[str, set] = {}
     for r in rows:
         curves.setdefault(r["run"], set()).add((r.get("model", ""), r.get("scheduler", "")))
 
     def name(r):
-        text = r["run"] if r["_shared"] else f"[{numbers[r['run']]}] {r['run']}"
+        text = r["run"] if r["_shared"] else f"[{numbers[r['run']]:0{width}d}] {r['run']}"  # [01] sorts before [10]
         text = text if len(text) <= LEGEND_CHARS else text[:LEGEND_CHARS - 1] + "…"
         return text if len(curves[r["run"]]) == 1 else f"{text} {r.get('model', '')} {r.get('scheduler', '')}"
 
@@ -346,26 +353,51 @@ def _href(path: Path, out: Path) -> str:
     return quote(os.path.relpath(path.resolve(), out.resolve()).replace(os.sep, "/"))
 
 
+def _config_lines(run: Run) -> list[str]:
+    """The run's config differences, those under a distinguishing override first (``student.*`` for
+    ``student=lora``), each ``key=value``."""
+    bare = tuple(k.lstrip("+~") for k in run.distinct)
+    first = [k for k in run.config_diff if k in bare or k.startswith(tuple(f"{b}." for b in bare))]
+    keys = first + [k for k in run.config_diff if k not in first]
+    return [f"{k}={run.config_diff[k]}" for k in keys]
+
+
+def _fid(r: dict) -> str:
+    """``value ± std`` as in the Markdown tables."""
+    from distill.metrics.report import format_uncertain
+
+    return format_uncertain(r["fid"], r.get("fid_std", float("nan")))
+
+
+def _cut(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[:chars - 3] + "..."
+
+
 def _hover(run: Run, r: dict, shared_teacher: bool) -> str:
-    """The point's run, the config that distinguishes the run, its overrides and the point's numbers."""
-    e = html.escape
-    lines = [f"<b>{e(r['run'])}</b>"]
-    if not shared_teacher:
-        diff = list(run.config_diff.items())
-        shown = [f"{e(k)}={e(v if len(v) <= 80 else v[:77] + '...')}" for k, v in diff[:MAX_CONFIG_LINES]]
-        if len(diff) > MAX_CONFIG_LINES:
-            shown.append(f"... {len(diff) - MAX_CONFIG_LINES} more config differences")
-        lines += shown
-        if run.overrides:
-            lines.append("overrides: " + e(" ".join(run.overrides)))
-    else:
-        lines.append(f"the same teacher quality in every run (cost as measured in {e(str(run.dir))})")
-    fid = (f"FID {r['fid']:.4g} ± {r.get('fid_std', float('nan')):.2g}" if _finite(r.get("fid")) else "FID n/a")
+    """The point's run (its distinguishing overrides) and numbers, the first of the run's other config differences
+    and its overrides (Plotly's hover HTML: <br> lines, values escaped)."""
+    def e(text):
+        return html.escape(text, quote=False)
+
+    fid = f"FID {_fid(r)}" if _finite(r.get("fid")) else "FID n/a"
     latency = f"{r['latency_s'] * 1e3:.3g} ms/img" if _finite(r.get("latency_s")) else "latency n/a"
     nfe = f"NFE {r['nfe']:g}" if _finite(r.get("nfe")) else "NFE n/a"
-    lines.append(e(f"{r.get('model', '')} {_point(r)} · {nfe} · {fid} · {latency}"))
+    lines = [f"<b>{e(_cut(r['run'], 120))}</b>", e(f"{r.get('model', '')} {_point(r)} · {nfe} · {fid} · {latency}")]
     if r["pareto"]:
         lines.append("on the Pareto front (FID vs latency)")
+    if shared_teacher:
+        lines.append(e(f"the same teacher quality in every run (cost as measured in {run.dir})"))
+        return "<br>".join(lines)
+    lines += [e(f"{k}={v}") for k, v in run.distinct.items() if len(r["run"]) > 120]  # the label was cut
+    shown = {k.lstrip("+~") for k in run.distinct}
+    config = [line for line in _config_lines(run) if line.partition("=")[0] not in shown]
+    if config:
+        lines.append("<i>config differences:</i>")
+        lines += [e(_cut(line, 100)) for line in config[:MAX_CONFIG_LINES]]
+        if len(config) > MAX_CONFIG_LINES:
+            lines.append(f"... {len(config) - MAX_CONFIG_LINES} more in the runs table")
+    if run.overrides:
+        lines.append(e(_cut("overrides: " + " ".join(run.overrides), 160)))
     return "<br>".join(lines)
 
 
@@ -402,7 +434,7 @@ def write_plot(rows: list[dict], out: Path, floor: dict | None) -> Path | None:
     measured = [r for r in rows if _finite(r.get("latency_s")) and _finite(r.get("fid"))]
     if not measured:
         return None
-    runs = len({r["run"] for r in rows})
+    runs = len(_numbers(rows))
     series_of = _series(rows)
     return plot_pareto(measured, out / "pareto.png", title=f"{runs} runs: FID vs latency", floor=floor,
                        series_of=series_of, point_label=_point,
@@ -452,7 +484,7 @@ def dashboard_figure(rows: list[dict], out: Path):
                           "visible": [True] * len(series) + [k == key for k in axes]},
                          {"xaxis.title.text": title}]} for key, title in axes.items()]
     fig.update_layout(
-        title=f"{len({r['run'] for r in rows})} runs: FID vs latency or NFE (click a point for its sample grid)",
+        title=f"{len(_numbers(rows))} runs: FID vs latency or NFE (click a point for its sample grid)",
         xaxis={"type": "log", "title": {"text": axes["latency_s"]}},
         yaxis={"type": "log", "title": {"text": "FID"}}, hovermode="closest", height=600, template="plotly_white",
         updatemenus=[{"type": "buttons", "direction": "right", "buttons": buttons, "x": 0, "xanchor": "left",
@@ -461,28 +493,36 @@ def dashboard_figure(rows: list[dict], out: Path):
 
 
 def _runs_table(runs: list[Run], rows: list[dict], out: Path) -> str:
+    """A row per run (and one for a teacher shared by the runs): label, folder, distinguishing overrides and every
+    config difference (folded), all overrides, points, best FID, links to the sample grids."""
     e = html.escape
     numbers = _numbers(rows)
+    shared = [r for r in rows if r["_shared"]]
     body = []
-    for run in runs:
-        rs = [r for r in rows if r["_run"] is run]
-        links = []
-        for r in rs:
-            grid = _grids(run, r)
-            if grid is not None:
-                links.append(f'<a href="{_href(grid, out)}">{e(r.get("model", ""))} {e(_point(r))}</a>')
-        for extra in ("samples/final.png",):
-            if (run.dir / extra).is_file():
-                links.append(f'<a href="{_href(run.dir / extra, out)}">{e(extra)}</a>')
+    for run in runs + ([shared[0]["_run"]] if shared else []):
+        teacher = len(body) == len(runs)
+        rs = shared if teacher else [r for r in rows if r["_run"] is run and not r["_shared"]]
+        links = [f'<a href="{_href(grid, out)}">{e(r.get("model", ""))} {e(_point(r))}</a>'
+                 for r in rs if (grid := _grids(run, r)) is not None]
+        if not teacher and (run.dir / "samples" / "final.png").is_file():
+            links.append(f'<a href="{_href(run.dir / "samples" / "final.png", out)}">final.png</a>')
         best = min((r["fid"] for r in rs if _finite(r.get("fid"))), default=None)
-        config = "<br>".join(f"{e(k)}={e(v)}" for k, v in run.distinct.items()) or "&ndash;"
-        body.append(
-            f'<tr class="run"><td>{numbers[run.label]}</td><td>{e(run.label)}</td><td><a href="{_href(run.dir, out)}">{e(str(run.dir))}</a></td>'
-            f"<td>{config}</td><td><code>{e(' '.join(run.overrides or [])) or '&ndash;'}</code></td>"
-            f"<td>{len(rs)}</td><td>{'' if best is None else f'{best:.4g}'}</td><td>{' · '.join(links)}</td></tr>")
-    head = "<tr><th>#</th><th>run</th><th>directory</th><th>distinguishing overrides</th><th>all overrides</th>" \
-           "<th>points</th><th>best FID</th><th>sample grids</th></tr>"
-    return f'<table id="runs">{head}{"".join(body)}</table>'
+        if teacher:
+            config, overrides = "the same teacher quality in every run that measured one; cost from this run", ""
+        else:
+            config = "<br>".join(f"{e(k)}={e(v)}" for k, v in run.distinct.items()) or "&ndash;"
+            diff = _config_lines(run)
+            if diff:
+                config += (f"<details><summary>{len(diff)} config differences</summary>"
+                           + "<br>".join(e(line) for line in diff) + "</details>")
+            overrides = e(" ".join(run.overrides or [])) or "&ndash;"
+        cells = ["" if teacher else str(numbers[run.label]), e(TEACHER_RUN if teacher else run.label),
+                 f'<a href="{_href(run.dir, out)}">{e(str(run.dir))}</a>', config, f"<code>{overrides}</code>",
+                 str(len(rs)), "" if best is None else f"{best:.4g}", " · ".join(links)]
+        body.append('<tr class="run">' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ["#", "run", "directory", "distinguishing overrides, config",
+                                              "all overrides", "points", "best FID", "sample grids"])
+    return f'<table id="runs"><tr>{head}</tr>{"".join(body)}</table>'
 
 
 def _points_table(rows: list[dict]) -> str:
@@ -490,9 +530,10 @@ def _points_table(rows: list[dict]) -> str:
     head = ["run", "model", "scheduler", "steps", "NFE", "FID", "latency (ms/img)", "Pareto"]
     body = []
     for r in rows:
-        fid = (f"{r['fid']:.4g} ± {r.get('fid_std', float('nan')):.2g}" if _finite(r.get("fid")) else "")
+        fid = _fid(r) if _finite(r.get("fid")) else ""
         latency = f"{r['latency_s'] * 1e3:.3g}" if _finite(r.get("latency_s")) else ""
-        cells = [r["run"], r.get("model", ""), r.get("scheduler", ""), r.get("steps", ""), r.get("nfe", ""), fid,
+        nfe = f"{r['nfe']:g}" if _finite(r.get("nfe")) else ""
+        cells = [r["run"], r.get("model", ""), r.get("scheduler", ""), r.get("steps", ""), nfe, fid,
                  latency, "✓" if r["pareto"] else ""]
         body.append("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in cells) + "</tr>")
     return ('<table id="points"><tr>' + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>" + "".join(body)
@@ -504,7 +545,8 @@ PAGE = """<!DOCTYPE html>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }}
 table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }}
-th, td {{ border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: left; vertical-align: top; }}
+th, td {{ border: 1px solid #ccc; padding: 0.25em 0.5em; text-align: left; vertical-align: top;
+          max-width: 36em; overflow-wrap: anywhere; }}
 th {{ background: #f3f3f3; }}
 code {{ font-size: 0.85em; }}
 </style></head><body>

@@ -8,7 +8,6 @@ import csv
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import yaml
 from distill import report
 from distill.metrics.report import columns, write_csv
 
-ROOT = Path(__file__).resolve().parents[1]
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                     "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
 
@@ -209,21 +207,24 @@ def test_pareto_set_on_a_hand_made_example():
 
 
 def test_teacher_once_only_when_its_quality_is_the_same():
-    """Teachers of equal quality (latency aside) are one run ``teacher`` with the first run's cost; a teacher
-    measured otherwise in one run stays with each run."""
-    def runs(teacher_fid_b):
-        a = report.Run(Path("a"), [_row("teacher", "ddim", 4, 0.04, 7.0), _row("student", "lcm", 1, 0.01, 3.0)], [])
-        b = report.Run(Path("b"), [_row("teacher", "ddim", 4, 0.05, teacher_fid_b), _row("student", "lcm", 1, 0.02,
-                                                                                            2.0)], [])
+    """The callback's teacher rows of equal quality (latency aside) are one run ``teacher`` with the first run's
+    cost; a teacher measured otherwise in one run stays with each run, and so do distill.evaluate's teacher rows
+    (no step: the teacher is what that run measured)."""
+    def runs(teacher_fid_b, **step):
+        a = report.Run(Path("a"), [_row("teacher", "ddim", 4, 0.04, 7.0, **step),
+                                   _row("student", "lcm", 1, 0.01, 3.0, **step)], [])
+        b = report.Run(Path("b"), [_row("teacher", "ddim", 4, 0.05, teacher_fid_b, **step),
+                                   _row("student", "lcm", 1, 0.02, 2.0, **step)], [])
         a.label, b.label = "a", "b"
         return [a, b]
 
-    rows, _ = report.gather(runs(7.0))
+    rows, _ = report.gather(runs(7.0, step=10))
     assert [(r["run"], r["model"], r["latency_s"], r["_shared"]) for r in rows] == [
         ("teacher", "teacher", 0.04, True), ("a", "student", 0.01, False), ("b", "student", 0.02, False)]
-    rows, _ = report.gather(runs(7.5))
-    assert [(r["run"], r["model"], r["_shared"]) for r in rows] == [
-        ("a", "teacher", False), ("a", "student", False), ("b", "teacher", False), ("b", "student", False)]
+    for separate in (runs(7.5, step=10), runs(7.0)):
+        rows, _ = report.gather(separate)
+        assert [(r["run"], r["model"], r["_shared"]) for r in rows] == [
+            ("a", "teacher", False), ("a", "student", False), ("b", "teacher", False), ("b", "student", False)]
 
 
 @pytest.mark.parametrize("make, message", [
@@ -251,10 +252,14 @@ def test_empty_csv_exits_2(tmp_path, runs, capsys):
     assert f"{bad / 'quality_cost.csv'}: no rows" in capsys.readouterr().err
 
 
-def test_module_entry_point(runs):
-    """``python -m distill.report`` as users run it: exit 0, the table on stdout."""
-    result = subprocess.run([sys.executable, "-m", "distill.report", str(runs["eval"]), "--out", str(runs["out"])],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "| eval_mymodel |" in result.stdout and (runs["out"] / "dashboard.html").is_file()
+@pytest.mark.filterwarnings("ignore:'distill.report' found in sys.modules:RuntimeWarning")  # imported above
+def test_module_entry_point(runs, monkeypatch, capsys):
+    """``python -m distill.report`` (run in-process, as ``-m`` runs it): exit 0, the table on stdout."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["distill.report", str(runs["eval"]), "--out", str(runs["out"])])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("distill.report", run_name="__main__", alter_sys=True)
+    assert exit_info.value.code == 0
+    assert "| eval_mymodel |" in capsys.readouterr().out and (runs["out"] / "dashboard.html").is_file()
     assert math.isclose(float(_read(runs["out"] / "report.csv")[0]["fid"]), EVALUATED[8][1])
