@@ -1,0 +1,24 @@
+"""bench/serve_load.py: a tiny load test (the shipped teacher, 2 steps, modes sequential and stream, concurrency
+1 and 2, one round) starts and stops its servers, and every request gets an image."""
+
+from __future__ import annotations
+
+import json
+
+from bench import serve_load
+
+
+def test_quick_load_test_answers_every_request(tmp_path):
+    out = tmp_path / "load.json"
+    result = serve_load.main(["--quick", "--pipelines", "teacher", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["rows"] == json.loads(json.dumps(result["rows"]))
+    cells = {(r["mode"], r["concurrency"]): r for r in data["rows"]}
+    assert set(cells) == {(m, c) for m in ("sequential", "stream") for c in (1, 2)}
+    for row in cells.values():
+        assert row["images_per_s"] > 0 and row["statuses"] == {"200": 4}
+        assert row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"] and row["peak_rss_mb"] > 0
+    assert cells[("sequential", 2)]["mean_denoise_batch"] == 1  # one request at a time
+    assert cells[("stream", 2)]["speedup"] > 0 and cells[("sequential", 1)]["speedup"] == 1
+    assert [s["exit_code"] for s in data["servers"]] == [0, 0]  # SIGTERM drains, then exits 0
+    assert "| teacher | stream | 2 |" in out.with_suffix(".md").read_text()
