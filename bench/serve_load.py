@@ -19,16 +19,18 @@ the same C (per round, median), and a verdict on the issue's target: at C=16 the
 (``--overload-queue-size``) gets an open-loop Poisson stream at 2x the stream-mode throughput at C=16 (this run's,
 or ``--overload-rate name=images/s``) for ``--overload-seconds``, each request with that ``timeout_s``; every request
 must get an image, a 429 or a 504 (anything else, or no answer, is lost), the server's RSS must not grow from the
-first half of the window to the second, and the client must keep the schedule (else the load was not 2x). The open
-loop posts over raw asyncio connections (httpx alone costs more CPU than one core has at the LCM's 2x rate).
+first half of the window to the second, and the client must keep the schedule (else the load was not 2x).
 ``--rows-from X.json`` keeps the closed-loop rows of an earlier run and runs no rounds:
 
-    python bench/serve_load.py --pipelines teacher lcm=<LCM export> --rows-from docs/serve_load.json \
+    python bench/serve_load.py --pipelines teacher lcm=<LCM export> --rows-from docs/serve_load.json \\
         --overload --overload-timeout-s 5 15 --out docs/serve_load.json
 
 ``--out X.json`` writes the rows, settings and machine, and X.md the tables; ``--plot`` throughput and p95 latency
 against concurrency, one column per pipeline. ``--threads``: the server's torch threads (default 1, leaving the
-other core of a 2-core machine to this load generator).
+other core of a 2-core machine to this load generator). Requests go out as hand-written HTTP/1.1 on asyncio, one
+connection per request (cheap, and the same for every mode); ``--client httpx`` sends the closed loop through
+``distill.serve.AsyncClient`` instead, whose kept-alive connections meet a ~40 ms stall per request from this server
+(its listening socket lacks TCP_NODELAY; see BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -260,8 +262,7 @@ def run_server(name: str, path: str, mode: str, args, seeds, logdir: Path, round
 
 
 async def post(host: str, port: int, body: bytes, timeout: float) -> tuple[int, bytes]:
-    """One ``POST /generate`` on its own connection, HTTP/1.1 by hand: (status, body). The open loop's client:
-    httpx costs more CPU per request than one core can spend at the LCM student's 2x rate."""
+    """One ``POST /generate`` on its own connection, HTTP/1.1 by hand: (status, body)."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     try:
         writer.write(b"POST /generate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: "
