@@ -266,8 +266,20 @@ ALLOWED = {
 }
 
 
+def _hydra_option(group: str, option: str, tmp_path_factory) -> dict:
+    """Hydra's composed node of a plugin's option, e.g. hydra/launcher=submitit_slurm."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    folder = tmp_path_factory.mktemp("empty_conf")
+    (folder / "empty.yaml").write_text("{}\n")
+    with initialize_config_dir(config_dir=str(folder), version_base="1.3"):
+        cfg = hydra_compose(config_name="empty", overrides=[f"{group}={option}"], return_hydra_config=True)
+    return _container(cfg.hydra[group.split("/", 1)[1]])
+
+
 @pytest.mark.parametrize("path", YAMLS)
-def test_no_yaml_restates_a_default(compose, hydra_defaults, path):
+def test_no_yaml_restates_a_default(compose, hydra_defaults, path, tmp_path_factory):
     """Every YAML holds only deltas: no key repeats the value its schema, the option it extends, the config
     an experiment starts from, Hydra's own config or (for a `_target_` node without a schema) the
     constructor's signature already gives it."""
@@ -277,6 +289,8 @@ def test_no_yaml_restates_a_default(compose, hydra_defaults, path):
         base = _container(compose(*_exp_base_overrides(defaults)))
     elif group == "hydra":
         base = hydra_defaults
+    elif group.startswith("hydra/"):  # extends a plugin's option (hydra/launcher=submitit_slurm): Hydra's node of it
+        base = _hydra_option(group, [d for d in defaults if d != "_self_"][0], tmp_path_factory)
     else:
         base = _option_base(None if group == "." else group, defaults)
         if "hydra" in body:

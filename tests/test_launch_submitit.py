@@ -21,6 +21,7 @@ TINY = ["+exp=debug", "logger=csv", f"trainer.max_steps={STEPS}", "data.batch_si
         "callbacks.samples=null", "callbacks.progress=null", "export=false", "sample_grid_seeds=0"]
 
 
+@pytest.mark.slow  # about 60 s: in `make test-all`, out of the 15-minute default suite
 def test_submitit_local_sweep_runs_both_jobs_in_their_own_run_directories(tmp_path):
     sweep = tmp_path / "sweep"
     # the two jobs run at once: one thread each (more, on 2 cores, and each waits on the other's threads)

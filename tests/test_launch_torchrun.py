@@ -28,6 +28,7 @@ def _env(run_dir: Path) -> dict:
             "RUN_DIR": str(run_dir), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 
 
+@pytest.mark.slow  # about 60 s: in `make test-all`, out of the 15-minute default suite
 @pytest.mark.skipif(not TORCHRUN.exists(), reason=f"no torchrun next to {sys.executable}")
 def test_torchrun_sh_two_cpu_processes_preempted_then_the_same_command_resumes(tmp_path):
     run_dir = tmp_path / "run"

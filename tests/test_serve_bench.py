@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import serve_load
 
 
+@pytest.mark.slow  # 25-35 s: in `make test-all`, out of the 15-minute default suite
 def test_quick_load_test_answers_every_request(tmp_path):
     out = tmp_path / "load.json"
     result = serve_load.main(["--quick", "--pipelines", "teacher", "--out", str(out)])

@@ -146,6 +146,7 @@ def test_bad_objectives_are_refused_before_training(overrides, message, compose)
         check_objectives(compose(*overrides))
 
 
+@pytest.mark.slow  # about 20 s of training: in `make test-all`
 def test_a_training_sweep_optimises_what_distill_train_returns(tmp_path):
     """Two trials of the debug training under the Optuna sweeper: each returns its logged loss, and the study
     records exactly those values."""

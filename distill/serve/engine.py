@@ -22,11 +22,9 @@ with the encoded prompts: its own loop, hooks and accelerators. ``stream`` runs 
 ``StableDiffusionPipeline.__call__`` per job (scale input, UNet, classifier-free guidance or the guidance
 embedding, scheduler step), batched across jobs.
 
-Backpressure: at most ``queue_size`` jobs wait to enter the first stage (:class:`QueueFull` beyond it, the
-HTTP layer's 429), stage queues hold ``stage_queue_size`` batches of at most ``max_batch_size`` images, each
-stage works on one batch, the stream denoiser holds less than ``2 max_batch_size`` images beside its active
-``max_batch_size``: what the engine holds is bounded under any load (at most ``queue_size`` jobs plus
-``2 stage_queue_size + 5`` batches). A job past its deadline, or whose future was
+Backpressure: at most ``queue_size`` jobs are held at once, waiting or in a stage (:class:`QueueFull` beyond it,
+the HTTP layer's 429), so memory is bounded under any load and an overload is refused at the door rather than
+left to expire inside the stages; stage queues hold ``stage_queue_size`` batches. A job past its deadline, or whose future was
 cancelled, is dropped at the next stage boundary (or denoising step, in stream mode) with
 :class:`DeadlineExceeded`.
 """
@@ -54,10 +52,10 @@ STAGES = ("encode", "denoise", "decode")
 
 
 class QueueFull(RuntimeError):
-    """The engine holds ``queue_size`` waiting jobs: retry after ``retry_after`` seconds."""
+    """The engine holds ``queue_size`` jobs: retry after ``retry_after`` seconds."""
 
     def __init__(self, depth: int, retry_after: float):
-        super().__init__(f"{depth} requests are waiting (queue_size); retry after {retry_after:.0f} s")
+        super().__init__(f"{depth} requests are held (engine.queue_size); retry after {retry_after:.0f} s")
         self.retry_after = retry_after
 
 
@@ -194,7 +192,8 @@ class Engine:
     distill method, or any diffusers text-to-image pipeline of that layout).
 
     ``max_batch_size``: images per batch (and per request); ``max_wait_ms``: how long a batch waits to fill;
-    ``queue_size``: jobs that may wait before :meth:`submit` raises :class:`QueueFull`; ``stage_queue_size``:
+    ``queue_size``: jobs held at once (waiting or in a stage) before :meth:`submit` raises :class:`QueueFull`;
+    ``stage_queue_size``:
     batches between two stages; ``timeout_s``: a request's deadline unless it sets its own; ``max_steps``:
     the largest step count a request may ask for. ``scheduler``, ``steps`` and ``guidance_scale`` are the
     defaults of a request that leaves them out (the entry point takes them from the export's distill.json;
@@ -249,6 +248,7 @@ class Engine:
         pipe.set_progress_bar_config(disable=True)
         self.metrics = metrics
         self.queue = JobQueue(queue_size)
+        self.queue_size = queue_size
         self.stage_queue_size = stage_queue_size
         self.stop = threading.Event()
         self.accepting = True
@@ -337,6 +337,8 @@ class Engine:
         with self.lock:  # against close(): a job is either refused or counted before the drain waits
             if not self.accepting:
                 raise Draining("the service is shutting down")
+            if self.inflight >= self.queue_size:  # admission control: waiting and in a stage count alike
+                raise QueueFull(self.inflight, self.retry_after())
             self.inflight += 1
             self.jobs.add(job)
         job.id, job.submitted = next(self.ids), time.monotonic()
