@@ -309,6 +309,7 @@ def test_bad_accelerator_settings_fail_before_sampling(tmp_path, overrides, code
     assert not (tmp_path / "eval" / "quality_cost.csv").exists()
 
 
+@pytest.mark.slow  # over 30 s: in `make test-all`, out of the 15-minute default suite (stop 26)
 def test_fit_forecaster_cli_then_sampling_with_the_fitted_coefficients(tmp_path):
     import csv
     import json

@@ -236,6 +236,7 @@ def test_bad_eval_set_names_the_key(tmp_path, kwargs, needle):
         EvalSet(**args)
 
 
+@pytest.mark.slow  # over 30 s: in `make test-all`, out of the 15-minute default suite (stop 26)
 def test_bad_eval_config_fails_before_any_model_is_built(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train("eval=nope", f"hydra.run.dir={run_dir}", "logger=csv", timeout=120)

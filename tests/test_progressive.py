@@ -34,6 +34,7 @@ def test_round_hand_over(tiny_sd):
         assert torch.equal(a, b) and not a.requires_grad
 
 
+@pytest.mark.slow  # over 30 s: in `make test-all`, out of the 15-minute default suite (stop 26)
 def test_resume_inside_a_round_continues_that_round(tiny_sd, tmp_path):
     common = ["+exp=progressive", f"teacher.pretrained_model_name_or_path={tiny_sd}", "data.batch_size=8",
               "method.start_steps=8", "method.final_steps=2", "method.steps_per_round=3", "trainer.limit_val_batches=1",

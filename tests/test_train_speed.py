@@ -134,6 +134,7 @@ def test_a_bf16_teacher_moves_the_consistency_target_by_a_small_part_of_the_resi
     assert moved / target.norm() < 0.003
 
 
+@pytest.mark.slow  # over 30 s: in `make test-all`, out of the 15-minute default suite (stop 26)
 def test_every_switch_trains_and_resumes_bit_identically(tmp_path):
     fast = ["method.frozen_dtype=bf16", "method.latent_cache=true", f"method.latent_cache_dir={tmp_path / 'cache'}",
             "trainer.precision=bf16-mixed", "method.channels_last=true"]
