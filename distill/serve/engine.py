@@ -122,11 +122,6 @@ class Result:
     timings: dict
     batch_sizes: dict
 
-    def images(self):
-        from PIL import Image
-
-        return [Image.open(io.BytesIO(b)) for b in self.png]
-
 
 def _settle(job: Job, result=None, error: BaseException | None = None) -> bool:
     """Resolve the job's future unless the caller cancelled it (a late result is dropped); True if resolved."""
