@@ -87,6 +87,8 @@ def _check_compatible(checkpoint: dict, path: str, method) -> None:
         if key in saved and saved[key] != here[key]:
             raise ValueError(f"checkpoint {path} was written by {key} {saved[key]}, but this run builds "
                              f"{here[key]}; resume with the config it was trained with, or start a new run directory")
+    if "state_dict" not in checkpoint:  # a sharded checkpoint: its shards are checked as they load
+        return
     own = method.state_dict()
     for key, value in checkpoint.get("state_dict", {}).items():
         if key in own and tuple(own[key].shape) != tuple(value.shape):
@@ -207,8 +209,14 @@ def run(cfg: DictConfig) -> dict:
         if preempted:
             log.warning("preempted at step %d; exiting with code %d so that the scheduler requeues this command",
                         trainer.global_step, PREEMPTED_EXIT_CODE)
-        elif trainer.is_global_zero and not trainer.fast_dev_run:
-            _finish(cfg, run_dir, method, trainer)
+        elif not trainer.fast_dev_run:
+            _ema_to_live(trainer, method)  # every rank: a sharded student's EMA is in shards
+            from distill.utils.sharding import gathered, strategy_of
+
+            if trainer.is_global_zero or strategy_of(trainer) is not None:
+                with gathered(trainer, method):  # sharded: rank 0 holds the full networks, the others wait
+                    if trainer.is_global_zero:
+                        _finish(cfg, run_dir, method, trainer)
     except NonFiniteLossError as err:
         _fail(run_dir, str(err), NONFINITE_EXIT_CODE)
     except CheckpointError as err:
@@ -231,13 +239,18 @@ def _close_loggers(trainer) -> None:
             wandb.finish()
 
 
-def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:
+def _ema_to_live(trainer, method) -> None:
+    """The EMA weights (what is exported and judged) into the student."""
     from distill.callbacks.ema import EMA
-    from distill.callbacks.samples import save_sample_grid
 
     for callback in trainer.callbacks:
         if isinstance(callback, EMA):
             callback.copy_to(method)
+
+
+def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:
+    from distill.callbacks.samples import save_sample_grid
+
     if cfg.export:
         out = method.export(run_dir / "export")
         log.info("exported student to %s", out)

@@ -9,6 +9,7 @@ import torch
 
 from distill.data.latents import batch_size_of
 from distill.utils.optim import ema_update_, step_applied
+from distill.utils.sharding import StateCopy, full_state, is_sharded
 
 
 def ema_beta(batch_images: int, half_life_images: float, seen_images: int | torch.Tensor,
@@ -49,7 +50,9 @@ class EMA(L.Callback):
         self._backup: dict | None = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        self.ema = copy.deepcopy(getattr(pl_module, self.attr)).requires_grad_(False).eval()
+        module = getattr(pl_module, self.attr)
+        # a sharded (FSDP) student cannot be deep-copied: its state's shards are kept instead
+        self.ema = StateCopy(module) if is_sharded(module) else copy.deepcopy(module).requires_grad_(False).eval()
         if self._pending_state is not None:
             self.ema.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -102,7 +105,8 @@ class EMA(L.Callback):
             getattr(pl_module, self.attr).load_state_dict(self.ema.state_dict())
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema.state_dict() if self.ema is not None else None, "seen_images": int(self.seen_images),
+        # sharded: gathered to full tensors on every rank (each rank's call is part of the collective)
+        return {"ema": full_state(self.ema.state_dict()) if self.ema is not None else None, "seen_images": int(self.seen_images),
                 "window_images": self._window_images}
 
     def load_state_dict(self, state: dict) -> None:

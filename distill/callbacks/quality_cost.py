@@ -159,32 +159,40 @@ class QualityCostCallback(L.Callback):
 
     @torch.no_grad()
     def run(self, trainer, pl_module) -> list[dict]:
-        if (not trainer.is_global_zero or trainer.global_step == self._last_step or trainer.sanity_checking
-                or trainer.fast_dev_run):  # a smoke run skips evaluation, as Lightning skips logging
+        from distill.utils.sharding import gathered, strategy_of
+
+        sharded = strategy_of(trainer) is not None  # every rank takes part in gathering the weights
+        if ((not trainer.is_global_zero and not sharded) or trainer.global_step == self._last_step
+                or trainer.sanity_checking or trainer.fast_dev_run):  # a smoke run skips evaluation, as Lightning skips logging
             return []
         from distill.callbacks.ema import EMA
-        from distill.metrics.report import plot_pareto, write_csv
 
         self._last_step = trainer.global_step
         self._trainer = trainer
-        if self._evaluator is None:
-            self._build()
-        teacher_rows = self._teacher_rows(pl_module)
-        sampler = MethodSampler(pl_module)
         # Judge the EMA weights when an EMA is kept (they are what gets exported).
         ema = next((c for c in trainer.callbacks if isinstance(c, EMA) and c.ema is not None), None)
         swap = ema is not None and ema.swapped_out
         if swap:
             ema.swap_in(pl_module)
-        step = trainer.global_step
-        plan = [(name, steps) for name in self.schedulers
-                for steps in (self.steps if self.steps is not None else [pl_module.student_steps])]
         try:
-            rows = self._sweep(sampler, "student", plan, self.guidance_scale,
-                               lambda row: f"{row['model']}-{row['scheduler']}-{row['steps']}_step_{step:07d}.png")
+            with gathered(trainer, pl_module):
+                return self._evaluate(trainer, pl_module) if trainer.is_global_zero else []
         finally:
             if swap:
                 ema.swap_out(pl_module)
+
+    def _evaluate(self, trainer, pl_module) -> list[dict]:
+        from distill.metrics.report import plot_pareto, write_csv
+
+        if self._evaluator is None:
+            self._build()
+        teacher_rows = self._teacher_rows(pl_module)
+        sampler = MethodSampler(pl_module)
+        step = trainer.global_step
+        plan = [(name, steps) for name in self.schedulers
+                for steps in (self.steps if self.steps is not None else [pl_module.student_steps])]
+        rows = self._sweep(sampler, "student", plan, self.guidance_scale,
+                           lambda row: f"{row['model']}-{row['scheduler']}-{row['steps']}_step_{step:07d}.png")
         for row in rows:
             row["step"] = step
         self.history.extend(rows)

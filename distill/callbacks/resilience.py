@@ -13,6 +13,8 @@ import lightning as L
 import numpy as np
 import torch
 
+from distill.utils.sharding import local, unsharded_class
+
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: saved and stopped on a scheduler's signal; relaunch to resume
@@ -213,7 +215,7 @@ class NonFiniteGuard(L.Callback):
         # one host sync per step: a single reduction over every gradient, not one per parameter; under a scaler
         # the (scaled) gradients overflow routinely and the scaler skips those steps itself
         finite = loss_finite and (self._scaler or not params or
-                                  bool(torch.stack([torch.isfinite(p.grad).all() for p in params]).all()))
+                                  bool(torch.stack([torch.isfinite(local(p.grad)).all() for p in params]).all()))
         bad = trainer.strategy.reduce_boolean_decision(not finite, all=False)
         if not bad:
             self.consecutive = 0
@@ -234,7 +236,8 @@ class NonFiniteGuard(L.Callback):
         device = params[0].device if params else pl_module.device
         finite = torch.as_tensor(loss_finite, device=device)
         if params:
-            finite = finite & torch.stack([torch.isfinite(p.grad).all() for p in params]).all()
+            # sharded gradients: each rank checks its shard, and the all-reduce below joins them
+            finite = finite & torch.stack([torch.isfinite(local(p.grad)).all() for p in params]).all()
         bad = (~finite).float()
         if trainer.world_size > 1:  # any rank's bad step skips it everywhere; an all-reduce on the device
             bad = (trainer.strategy.reduce(bad, reduce_op="sum") > 0).float()
@@ -287,7 +290,7 @@ class NonFiniteGuard(L.Callback):
 
 def describe_run(pl_module) -> dict:
     """What a checkpoint must match to be resumed by this run: the method and the student's class."""
-    method, student = type(pl_module), type(getattr(pl_module, "student", None))
+    method, student = type(pl_module), unsharded_class(getattr(pl_module, "student", None))
     return {"method": f"{method.__module__}.{method.__qualname__}",
             "student": f"{student.__module__}.{student.__qualname__}"}
 

@@ -25,11 +25,17 @@ class SampleGrid(L.Callback):
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         from distill.methods.base import DistillMethod
+        from distill.utils.sharding import gathered, strategy_of
 
-        if trainer.sanity_checking or not trainer.is_global_zero or type(pl_module).generate is DistillMethod.generate:
+        sharded = strategy_of(trainer) is not None  # every rank takes part in gathering the weights
+        if (trainer.sanity_checking or (not trainer.is_global_zero and not sharded)
+                or type(pl_module).generate is DistillMethod.generate):
             return
         out = Path(trainer.default_root_dir) / "samples" / f"step_{trainer.global_step:07d}.png"
-        grid = save_sample_grid(pl_module, out, self.eval_set.grid_batch(self.num_seeds), self.num_seeds, self.seed)
+        with gathered(trainer, pl_module):
+            if not trainer.is_global_zero:
+                return
+            grid = save_sample_grid(pl_module, out, self.eval_set.grid_batch(self.num_seeds), self.num_seeds, self.seed)
         for logger in trainer.loggers:
             if hasattr(logger, "log_image"):
                 logger.log_image(key="samples", images=[grid], step=trainer.global_step)

@@ -192,6 +192,18 @@ def validate(cfg: DictConfig) -> None:
             unet_folder(cfg.student.path)
         except FileNotFoundError as err:
             raise ConfigError(str(err)) from err
+    strategy = cfg.trainer.get("strategy")
+    sharded = isinstance(strategy, DictConfig) and str(strategy.get("_target_", "")).endswith(".ShardedStrategy")
+    accelerator = cfg.trainer.get("accelerator")
+    xla = accelerator == "tpu" or (isinstance(accelerator, DictConfig)
+                                   and str(accelerator.get("_target_", "")).endswith(".PJRTAccelerator"))
+    if xla and "moe" in str(cfg.student.get("_target_", "")):
+        raise ConfigError(f"trainer=tpu with student {cfg.student._target_}: a mixture of experts routes samples to "
+                          "experts with data-dependent shapes, which XLA recompiles for every batch; use a dense, copy "
+                          "or LoRA student on XLA, or trainer=gpu/ddp for the mixture")
+    if sharded and "start_steps" in method:
+        raise ConfigError("trainer=fsdp does not run progressive distillation: each round turns the student into "
+                          "the next teacher, which the sharded networks do not support; use trainer=ddp")
     if "start_steps" in method:
         from distill.diffusion.progressive import round_schedule
 
@@ -224,5 +236,6 @@ def validate(cfg: DictConfig) -> None:
         from fsspec.core import url_to_fs
 
         fs, inner = url_to_fs(str(cfg.ckpt_path))
-        if not fs.isfile(inner):
-            raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a file; give a .ckpt file or 'last'")
+        if not fs.isfile(inner) and not (sharded and fs.isfile(f"{inner}/meta.pt")):
+            raise ConfigError(f"ckpt_path={cfg.ckpt_path!r} is not a file; give a .ckpt file (trainer=fsdp: a "
+                              "sharded checkpoint folder) or 'last'")

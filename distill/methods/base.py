@@ -153,6 +153,15 @@ class DistillMethod(L.LightningModule):
                                                 "networks stay in float32")
             self._frozen_autocast_dtype = None
 
+    def configure_model(self) -> None:
+        """Under ``trainer=fsdp`` (``distill.utils.sharding.ShardedStrategy``), shard the networks; otherwise
+        nothing (the networks are built in ``__init__``)."""
+        from distill.utils.sharding import strategy_of
+
+        strategy = strategy_of(self._trainer)
+        if strategy is not None:
+            strategy.shard(self)
+
     def on_fit_start(self) -> None:
         """After the strategy has moved the networks to their device (``setup`` runs before): check the dtype and
         compiler there, prepare the networks, and encode the latent cache on that device."""

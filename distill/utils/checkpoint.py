@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -60,6 +61,9 @@ def _write_error(path, err: OSError, previous_exists: bool) -> CheckpointError:
     )
 
 
+SHARDED_META = "meta.pt"  # Lightning's metadata file in a sharded (distributed) checkpoint folder
+
+
 def atomic_torch_save(obj, path: str | Path) -> None:
     """Write ``obj`` to a local path so that the target is either the old file or the whole new one."""
     path = Path(path)
@@ -81,8 +85,11 @@ def atomic_torch_save(obj, path: str | Path) -> None:
 
 def safe_load(path: str | Path, map_location="cpu") -> dict:
     """A checkpoint's contents (local path or fsspec URL) without running pickled code; a clear error for a
-    damaged file."""
+    damaged file. A sharded checkpoint's folder gives its metadata (everything but the sharded weights and
+    optimizer states)."""
     fs, inner = url_to_fs(str(path))
+    if fs.isdir(inner) and fs.isfile(f"{inner}/{SHARDED_META}"):
+        path, inner = f"{str(path).rstrip('/')}/{SHARDED_META}", f"{inner}/{SHARDED_META}"
     try:
         with fs.open(inner, "rb") as f:
             return torch.load(f, map_location=map_location, weights_only=True)
@@ -96,10 +103,22 @@ def safe_load(path: str | Path, map_location="cpu") -> dict:
         ) from err
 
 
+def _to_cpu_if_xla(checkpoint: dict) -> dict:
+    """XLA tensors copied to the CPU (as Lightning's XLACheckpointIO does), so that the file loads anywhere."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    found = []
+    apply_to_collection(checkpoint, torch.Tensor, lambda t: found.append(t.device.type == "xla"))
+    if not any(found):
+        return checkpoint
+    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.cpu() if t.device.type == "xla" else t)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO with atomic writes and weights-only reads."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        checkpoint = _to_cpu_if_xla(checkpoint)
         local = local_path(path)
         if local is not None:
             atomic_torch_save(checkpoint, local)
@@ -135,7 +154,9 @@ def candidate_checkpoints(folder: str | Path) -> list[Path | str]:
     fs, inner = url_to_fs(str(folder))
     if not fs.isdir(inner):
         return []
-    infos = [info for info in fs.ls(inner, detail=True) if info["type"] == "file" and info["name"].endswith(".ckpt")]
+    # a file, or a sharded checkpoint's folder (trainer=fsdp: one shard per rank and the metadata file)
+    infos = [info for info in fs.ls(inner, detail=True) if info["name"].endswith(".ckpt") and (
+        info["type"] == "file" or (info["type"] == "directory" and fs.isfile(f"{info['name']}/{SHARDED_META}")))]
     infos.sort(key=lambda info: (_mtime(info), _step_of(info["name"])), reverse=True)
     if local_path(folder) is not None:
         return [Path(info["name"]) for info in infos]
@@ -147,9 +168,9 @@ def resolve_resume(folder: str | Path) -> tuple[Path | str | None, dict | None]:
     Unreadable newer files are reported (by name) and skipped."""
     local = local_path(folder)
     if local is not None:
-        for stale in local.glob("*.ckpt.tmp-*"):  # a write that was killed before its rename
+        for stale in [*local.glob("*.ckpt.tmp-*"), *local.glob("*.ckpt.tmp")]:  # a write killed before its rename
             log.warning("removing %s, an unfinished checkpoint write", stale)
-            stale.unlink(missing_ok=True)
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
     skipped = []
     for path in candidate_checkpoints(folder):
         try:

@@ -30,10 +30,14 @@ def ema_update_(average: torch.nn.Module, live: torch.nn.Module, weight: float |
     whole state dict is averaged (the EMA callback), without it the parameters only (a consistency target).
     ``weight`` may be a 0-dim tensor on the device (a weight masked by ``step_applied``): a zero weight leaves
     the average and its counters as they were."""
+    from distill.utils.sharding import local
+
     if buffers:
         pairs = list(zip(average.state_dict().values(), live.state_dict().values()))
     else:
         pairs = list(zip(average.parameters(), live.parameters()))
+    # sharded (FSDP) networks: both sides hold the same shards, averaged in place on each rank
+    pairs = [(local(a), local(b)) for a, b in pairs]
     floats = [(a, b.to(a.dtype)) for a, b in pairs if a.dtype.is_floating_point]
     if floats:
         targets, sources = (list(t) for t in zip(*floats))
