@@ -126,7 +126,11 @@ def _instantiate_all(cfg: DictConfig):
         from lightning.pytorch.callbacks import LearningRateMonitor
 
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()])
+    from distill.config.validate import is_xla
+    from distill.utils.xla import atomic_xla_checkpoint_io
+
+    checkpoint_io = atomic_xla_checkpoint_io() if is_xla(cfg.trainer.accelerator) else AtomicCheckpointIO()
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[checkpoint_io])
     return datamodule, method, trainer
 
 

@@ -9,7 +9,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 ENV=${XLA_ENV:-$HOME/.cache/distill/xla-env}
 PY=${PYTHON:-python3.11}
-if [ ! -x "$ENV/bin/python" ] || ! "$ENV/bin/python" -c "import torch_xla, distill" 2>/dev/null; then
+if [ ! -f "$ENV/.distill-ready" ]; then  # written once every install below has finished
   "$PY" -m venv "$ENV"
   "$ENV/bin/pip" install -q --upgrade pip
   "$ENV/bin/pip" install -q torch==2.9.1 torch-xla==2.9.0
@@ -23,6 +23,7 @@ PYEOF
   # shellcheck disable=SC2086
   "$ENV/bin/pip" install -q $deps "torch==2.9.1"
   "$ENV/bin/pip" install -q --no-deps -e "$ROOT"
+  touch "$ENV/.distill-ready"
 fi
 "$ENV/bin/python" -c "import torch, torch_xla; print('torch', torch.__version__, 'torch_xla', torch_xla.__version__)"
 export PJRT_DEVICE=CPU

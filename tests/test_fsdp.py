@@ -208,6 +208,27 @@ def test_fsdp_resume_is_exact(tmp_path):
     assert len(la) == 4 and la == {k: lb[k] for k in la}
 
 
+def test_fsdp_refuses_a_mixture_of_experts(compose):
+    from distill.config.validate import ConfigError, validate
+
+    for student in ("moe_timestep", "moe_token"):
+        with pytest.raises(ConfigError, match="trainer=fsdp with student .*moe.*use trainer=ddp"):
+            validate(compose("+exp=consistency", "trainer=cpu_fsdp", f"student={student}"))
+
+
+def test_a_sharded_save_killed_between_its_renames_resumes_from_the_previous_checkpoint(tmp_path):
+    """ShardedStrategy.save_checkpoint renames last.ckpt to last.ckpt.old, then last.ckpt.tmp to last.ckpt: a kill
+    between the two leaves no last.ckpt; the previous one is restored and the unfinished one removed."""
+    folder = tmp_path / "checkpoints"
+    for name, step in (("last.ckpt.old", 6), ("last.ckpt.tmp", 7), ("step_0000005.ckpt", 5)):
+        (folder / name).mkdir(parents=True)
+        torch.save({"global_step": step}, folder / name / "meta.pt")
+        os.utime(folder / name, (1e9 + step, 1e9 + step))  # saved in step order
+    path, checkpoint = resolve_resume(folder)
+    assert path == folder / "last.ckpt" and checkpoint["global_step"] == 6
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step_0000005.ckpt"]
+
+
 def test_fsdp_refuses_progressive_distillation(tmp_path):
     proc = run_train("+exp=progressive", "trainer=cpu_fsdp", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "trainer=fsdp does not run progressive distillation" in proc.stderr

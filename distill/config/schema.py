@@ -124,6 +124,7 @@ class SchedulerConfig:
 
 TrainerConfig = builds("TrainerConfig", "lightning.pytorch.Trainer",
                        exclude=("callbacks", "logger", "plugins"))  # train.py passes its own
+ShardedStrategyConfig = builds("ShardedStrategyConfig", "distill.utils.sharding.ShardedStrategy")  # trainer=fsdp
 CheckpointConfig = builds("CheckpointConfig", "lightning.pytorch.callbacks.ModelCheckpoint",
                           choices={"mode": MonitorMode})
 
@@ -328,6 +329,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "accelerate": {"accelerate": AccelerateConfig},
     "eval": {"eval": EvalConfig},
     "trainer": {"trainer": TrainerConfig},
+    "trainer/strategy": {"sharded": ShardedStrategyConfig},
     "checkpoint": {"checkpoint": CheckpointConfig},
     "paths": {"paths": PathsConfig},
 }

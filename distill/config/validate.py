@@ -162,6 +162,12 @@ def _check_eval(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from err
 
 
+def is_xla(accelerator) -> bool:
+    """Whether a trainer config's ``accelerator`` is an XLA device (``tpu`` or ``distill.utils.xla.PJRTAccelerator``)."""
+    target = accelerator.get("_target_", "") if isinstance(accelerator, DictConfig) else ""
+    return accelerator == "tpu" or str(target).endswith(".PJRTAccelerator")
+
+
 def validate(cfg: DictConfig) -> None:
     missing = missing_keys(cfg)
     if missing:
@@ -194,13 +200,15 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(str(err)) from err
     strategy = cfg.trainer.get("strategy")
     sharded = isinstance(strategy, DictConfig) and str(strategy.get("_target_", "")).endswith(".ShardedStrategy")
-    accelerator = cfg.trainer.get("accelerator")
-    xla = accelerator == "tpu" or (isinstance(accelerator, DictConfig)
-                                   and str(accelerator.get("_target_", "")).endswith(".PJRTAccelerator"))
+    xla = is_xla(cfg.trainer.get("accelerator"))
     if xla and "moe" in str(cfg.student.get("_target_", "")):
         raise ConfigError(f"trainer=tpu with student {cfg.student._target_}: a mixture of experts routes samples to "
                           "experts with data-dependent shapes, which XLA recompiles for every batch; use a dense, copy "
                           "or LoRA student on XLA, or trainer=gpu/ddp for the mixture")
+    if sharded and "moe" in str(cfg.student.get("_target_", "")):
+        raise ConfigError(f"trainer=fsdp with student {cfg.student._target_}: each rank runs only the experts its own "
+                          "samples or tokens are routed to, while FSDP needs every rank to gather and reduce every "
+                          "block in the same order; use trainer=ddp for a mixture of experts")
     if sharded and "start_steps" in method:
         raise ConfigError("trainer=fsdp does not run progressive distillation: each round turns the student into "
                           "the next teacher, which the sharded networks do not support; use trainer=ddp")

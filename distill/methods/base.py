@@ -263,6 +263,14 @@ class DistillMethod(L.LightningModule):
 
         factory = self.optimizer_factory
         keywords = getattr(factory, "keywords", None) or {}
+        if self.device.type == "xla" and getattr(factory, "func", None) is not None:
+            # XLA: torch_xla's sync-free optimizer, so that a non-finite step is skipped without a host read
+            from distill.utils.xla import sync_free_optimizer
+
+            logging.getLogger(__name__).info("XLA device: %s runs as torch_xla's sync-free variant",
+                                             factory.func.__name__)
+            rest = {k: v for k, v in keywords.items() if k not in ("fused", "foreach")}
+            return functools.partial(sync_free_optimizer(factory.func), *factory.args, **rest)
         if not keywords.get("fused"):
             return factory
         trainer = self._trainer

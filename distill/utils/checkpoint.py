@@ -15,6 +15,7 @@ newest readable file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -168,9 +169,15 @@ def resolve_resume(folder: str | Path) -> tuple[Path | str | None, dict | None]:
     Unreadable newer files are reported (by name) and skipped."""
     local = local_path(folder)
     if local is not None:
-        for stale in [*local.glob("*.ckpt.tmp-*"), *local.glob("*.ckpt.tmp")]:  # a write killed before its rename
+        for old in local.glob("*.ckpt.old"):  # a sharded save stopped between its two renames: the previous one
+            if not old.with_suffix("").exists():
+                log.warning("restoring %s, the checkpoint a killed save was replacing", old.with_suffix(""))
+                with contextlib.suppress(OSError):  # another rank restored it first
+                    old.rename(old.with_suffix(""))
+        # a write killed before its rename (every rank may clean at once: errors of a concurrent removal ignored)
+        for stale in [*local.glob("*.ckpt.tmp-*"), *local.glob("*.ckpt.tmp"), *local.glob("*.ckpt.old")]:
             log.warning("removing %s, an unfinished checkpoint write", stale)
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink(missing_ok=True)
+            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     skipped = []
     for path in candidate_checkpoints(folder):
         try:

@@ -30,8 +30,10 @@ def ema_update_(average: torch.nn.Module, live: torch.nn.Module, weight: float |
     whole state dict is averaged (the EMA callback), without it the parameters only (a consistency target).
     ``weight`` may be a 0-dim tensor on the device (a weight masked by ``step_applied``): a zero weight leaves
     the average and its counters as they were."""
-    from distill.utils.sharding import local
+    from distill.utils.sharding import local, reshard
 
+    reshard(average)  # sharded networks: both sides in their shards
+    reshard(live)
     if buffers:
         pairs = list(zip(average.state_dict().values(), live.state_dict().values()))
     else:

@@ -46,6 +46,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def reshard(module) -> None:
+    """Put every FSDP unit of ``module`` in its sharded state (a local op: frees gathered parameters). With
+    ``reshard_after_forward=false`` a unit that took no part in the backward keeps its gathered parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, nn.Module):
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
 def is_sharded(module: nn.Module) -> bool:
     return any(is_dtensor(p) for p in module.parameters())
 
@@ -146,15 +157,44 @@ class ShardedStrategy(ModelParallelStrategy):
                 raise ValueError(f"trainer.strategy.activation_checkpointing=true, but the student "
                                  f"({type(student).__name__}) has no enable_gradient_checkpointing(); set it to false")
             student.enable_gradient_checkpointing()
-        for name in sharded_attributes(method, self.shard_frozen):
+        student_like = {"student", "target"}  # an EMA target is averaged shard by shard with the student
+        for name in sharded_attributes(method):
             net = getattr(method, name)
-            if is_sharded(net):
+            if is_sharded(net) or (name not in student_like and not self.shard_frozen):
                 continue
-            _broadcast_from_rank0(net)
+            self._broadcast_from_rank0(net)
             self.skeletons[name] = meta_copy(net)
+            # a frozen network runs no backward, where FSDP would reshard a block kept gathered after its forward
+            reshard = self.reshard_after_forward if name in student_like else True
             for unit in shard_units(net):
-                fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
-            fully_shard(net, mesh=mesh, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+                fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(net, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        # other trainable parts of the method (feature-distillation regressors): one unit each, so that their
+        # gradients are reduced across ranks like the student's (nothing else averages them under this strategy)
+        for name, child in method.named_children():
+            if name not in self.skeletons and not is_sharded(child) and any(
+                    p.requires_grad for p in child.parameters()):
+                self._broadcast_from_rank0(child)
+                fully_shard(child, mesh=mesh, mp_policy=mp, reshard_after_forward=self.reshard_after_forward)
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self, net: nn.Module) -> None:
+        """Rank 0's weights on every rank, as DDP does when it wraps a model: ``fully_shard`` keeps each rank's own
+        slice of its local tensors, so a network initialised differently per rank (each rank seeds its RNG with
+        its rank) would otherwise become a mixture. The networks are still on the CPU here (Lightning moves them
+        after ``configure_model``); NCCL broadcasts device tensors, so each goes through the rank's device."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        via_device = dist.get_backend() == "nccl"
+        for tensor in [*net.parameters(), *net.buffers()]:
+            if via_device:
+                moved = tensor.data.to(self.root_device)
+                dist.broadcast(moved, src=0)
+                tensor.data.copy_(moved)
+            else:
+                dist.broadcast(tensor.data, src=0)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -170,14 +210,16 @@ class ShardedStrategy(ModelParallelStrategy):
         self.barrier()
         super().save_checkpoint(checkpoint, tmp)
         self.barrier()
-        if self.global_rank == 0:
+        if self.global_rank == 0:  # <name>.old is the previous checkpoint while the new one is renamed in
             old = path.with_name(path.name + ".old")
-            if path.exists():
-                path.rename(old) if path.is_dir() else path.unlink()
+            shutil.rmtree(old, ignore_errors=True)
+            if path.is_dir():
+                path.rename(old)
+            elif path.exists():
+                path.unlink()
             tmp.rename(path)
             _fsync_dir(path.parent)
-            if old.exists():
-                shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)
         self.barrier()
 
     def remove_checkpoint(self, filepath) -> None:
@@ -202,6 +244,11 @@ class ShardedStrategy(ModelParallelStrategy):
                              "folders it writes")
         stored = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         model_state = get_model_state_dict(self.model)
+        missing = [k for k in model_state if k.startswith("student.") and f"state_dict.{k}" not in stored]
+        lora = any(k.startswith("student.") and "lora" in k for k in model_state)
+        if missing and not lora:  # a LoRA student's frozen base weights are the teacher's, rebuilt on load
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} student weights (e.g. {missing[0]}); it was "
+                             "written for a different student architecture")
         wanted = {k: v for k, v in model_state.items() if f"state_dict.{k}" in stored}
         state = {"state_dict": wanted}
         load(state, checkpoint_id=str(path))
@@ -213,19 +260,6 @@ class ShardedStrategy(ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / META, weights_only=weights_only)
-
-
-@torch.no_grad()
-def _broadcast_from_rank0(net: nn.Module) -> None:
-    """Rank 0's weights on every rank, as DDP does when it wraps a model: ``fully_shard`` keeps each rank's own
-    slice of its local tensors, so a network initialised differently per rank (each rank seeds its RNG with its
-    rank) would otherwise become a mixture."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    for tensor in [*net.parameters(), *net.buffers()]:
-        dist.broadcast(tensor.data, src=0)
 
 
 def _fsync_dir(folder: Path) -> None:
