@@ -1,0 +1,126 @@
+"""Consistency training without a teacher's solver: iCT (Song & Dhariwal 2023) and ECT (Geng et al. 2024).
+
+Both work in the variance-exploding (EDM) view, x_sigma = x0 + sigma * eps, and train
+f(x_sigma, sigma) ~ f(x_sigma', sigma') for two noise levels of the same noisy trajectory (shared eps), the
+smaller one's output under stop-gradient; at sigma = sigma_min the boundary condition f = x holds by the
+parametrisation.
+
+- iCT: Karras noise levels sigma_1 < ... < sigma_N, N growing with the training step (the discretisation
+  curriculum); the pair (sigma_i, sigma_{i+1}) drawn with lognormal probabilities; loss weight
+  1 / (sigma_{i+1} - sigma_i); pseudo-Huber distance with c = 0.00054 sqrt(d); no EMA target.
+- ECT: continuous t ~ lognormal, r = t (1 - n(t) / q^(stage+1)) with n(t) = 1 + k sigmoid(-b t), clamped at 0
+  (r = 0: the target is the data, i.e. diffusion training); the stage doubles every ``double_every`` steps, so
+  t - r shrinks towards the consistency limit; loss sqrt(||delta||^2 + c^2) - c (c = 0: the L2 norm, the paper's
+  adaptive weighting with p = 1/2) weighted by 1 / (t - r).
+
+All functions are pure (tensors in, tensors out); the training method is ``distill.methods.consistency_training``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def karras_sigmas(n: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
+                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """sigma_i = (sigma_min^(1/rho) + (i-1)/(N-1) (sigma_max^(1/rho) - sigma_min^(1/rho)))^rho, i = 1..N,
+    ascending (Karras et al. 2022, eq. 5; iCT section 3)."""
+    check_sigma_range(sigma_min, sigma_max)
+    if n < 2:
+        raise ValueError(f"{n} noise levels; a consistency pair needs N >= 2")
+    ramp = torch.linspace(0, 1, n, dtype=dtype)
+    lo, hi = sigma_min ** (1 / rho), sigma_max ** (1 / rho)
+    return (lo + ramp * (hi - lo)) ** rho
+
+
+def check_sigma_range(sigma_min: float, sigma_max: float) -> None:
+    if not 0 < sigma_min < sigma_max:
+        raise ValueError(f"sigma_min={sigma_min}, sigma_max={sigma_max}: need 0 < sigma_min < sigma_max")
+
+
+def ict_num_scales(step: int, total_steps: int, s0: int = 10, s1: int = 1280) -> int:
+    """iCT's discretisation curriculum N(k) = min(s0 2^floor(k / K'), s1) + 1 with
+    K' = floor(K / (log2(s1 / s0) + 1)): N doubles at evenly spaced steps, from s0 + 1 to s1 + 1."""
+    if s0 < 1 or s1 < s0:
+        raise ValueError(f"s0={s0}, s1={s1}: need 1 <= s0 <= s1")
+    k_prime = math.floor(total_steps / (math.log2(s1 / s0) + 1))
+    doublings = step // k_prime if k_prime > 0 else 0
+    return min(s0 * 2 ** doublings, s1) + 1
+
+
+def lognormal_pair_probabilities(sigmas: torch.Tensor, p_mean: float = -1.1, p_std: float = 2.0) -> torch.Tensor:
+    """p(sigma_i) for the pair (sigma_i, sigma_{i+1}), i = 1..N-1: the lognormal mass between them,
+    erf((log sigma_{i+1} - P_mean) / (sqrt 2 P_std)) - erf((log sigma_i - P_mean) / (sqrt 2 P_std)), normalised
+    (iCT section 3.5)."""
+    cdf = torch.erf((sigmas.log() - p_mean) / (math.sqrt(2) * p_std))
+    mass = cdf[1:] - cdf[:-1]
+    return mass / mass.sum()
+
+
+def ict_weight(sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """lambda(sigma_i) = 1 / (sigma_{i+1} - sigma_i) (iCT section 3.2)."""
+    return 1.0 / (sigma_next - sigma)
+
+
+def ect_r(t: torch.Tensor, stage: int, q: float = 2.0, k: float = 8.0, b: float = 1.0) -> torch.Tensor:
+    """ECT's mapping r(t) = t (1 - n(t) / q^(stage+1)), n(t) = 1 + k sigmoid(-b t), clamped at 0."""
+    n = 1 + k * torch.sigmoid(-b * t)
+    return (t * (1 - n / q ** (stage + 1))).clamp(min=0)
+
+
+def ect_stage(step: int, double_every: int) -> int:
+    """The stage of the mapping at ``step``: t - r halves every ``double_every`` steps."""
+    if double_every < 1:
+        raise ValueError(f"double_every={double_every} must be >= 1")
+    return step // double_every
+
+
+def lognormal_sigmas(n: int, p_mean: float = -1.1, p_std: float = 2.0, generator: torch.Generator | None = None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """t = exp(P_mean + P_std z), z ~ N(0, 1) (EDM's training distribution, ECT's t)."""
+    z = torch.randn(n, generator=generator, device=device, dtype=torch.float64)
+    return (p_mean + p_std * z).exp()
+
+
+def edm_boundary_scalings(sigma: torch.Tensor, sigma_data: float, sigma_min: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c_skip, c_out) of the consistency parametrisation f = c_skip x + c_out F (Song et al. 2023, appendix C):
+    c_skip = sigma_data^2 / ((sigma - sigma_min)^2 + sigma_data^2), c_out = (sigma - sigma_min) sigma_data /
+    sqrt(sigma^2 + sigma_data^2); at sigma = sigma_min, c_skip = 1 and c_out = 0 (f = x)."""
+    c_skip = sigma_data ** 2 / ((sigma - sigma_min) ** 2 + sigma_data ** 2)
+    c_out = (sigma - sigma_min) * sigma_data / (sigma ** 2 + sigma_data ** 2).sqrt()
+    return c_skip, c_out
+
+
+def edm_input_scalings(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c_in, c_noise): the network sees c_in x = x / sqrt(sigma^2 + sigma_data^2) and c_noise = 1000 * 0.25 log
+    sigma (the consistency models' timestep input, as diffusers' CMStochasticIterativeScheduler computes it)."""
+    return 1.0 / (sigma ** 2 + sigma_data ** 2).sqrt(), 1000 * 0.25 * torch.log(sigma + 1e-44)
+
+
+def ect_loss(pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, r: torch.Tensor, c: float = 0.0) -> torch.Tensor:
+    """Per-example sqrt(||pred - target||^2 + c^2) - c, divided by t - r (ECT's loss, p = 1/2 adaptive weighting)."""
+    sq = (pred.float() - target.float()).pow(2).flatten(1).sum(1)
+    return ((sq + c ** 2).sqrt() - c) / (t - r).to(sq.dtype)
+
+
+# --------------------------------------------------------------------------- VP teachers in the VE view
+
+
+def vp_sigmas(alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """sigma(t) = sqrt((1 - alpha_bar_t) / alpha_bar_t) of a discrete VP schedule, for t = 0..T-1: x_t / alpha_t =
+    x0 + sigma(t) eps, the VE view of a DDPM teacher (what ECT tunes, through EDM's VP preconditioning)."""
+    a = alphas_cumprod.double()
+    return ((1 - a) / a).sqrt()
+
+
+def vp_timestep(sigma: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """The continuous timestep of a discrete VP schedule at noise level ``sigma``: linear interpolation of t in
+    log sigma between the schedule's levels (clamped to [0, T-1]); what a VP network takes as its time input."""
+    log_s = sigmas.log().to(sigma.device)
+    x = sigma.double().clamp(min=float(sigmas[0]), max=float(sigmas[-1])).log()
+    idx = torch.searchsorted(log_s, x).clamp(1, len(log_s) - 1)
+    lo, hi = log_s[idx - 1], log_s[idx]
+    frac = ((x - lo) / (hi - lo)).clamp(0, 1)
+    return (idx - 1).double() + frac

@@ -1,0 +1,96 @@
+"""iCT / ECT schedules, weightings and losses against the papers' formulas and diffusers' consistency-model
+scheduler (the parametrisation an export samples with)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import CMStochasticIterativeScheduler, DDPMScheduler
+from scipy.stats import norm
+
+from distill.diffusion import consistency_training as ct
+
+
+def test_karras_sigmas_formula_and_endpoints():
+    s = ct.karras_sigmas(3, 0.002, 80.0, 7.0)
+    lo, hi = 0.002 ** (1 / 7), 80.0 ** (1 / 7)
+    assert torch.allclose(s, torch.tensor([lo ** 7, ((lo + hi) / 2) ** 7, hi ** 7], dtype=torch.float64))
+    assert torch.all(s[1:] > s[:-1])
+
+
+def test_bad_sigma_settings_are_refused():
+    with pytest.raises(ValueError, match="need 0 < sigma_min < sigma_max"):
+        ct.karras_sigmas(10, 80.0, 0.002)
+    with pytest.raises(ValueError, match="N >= 2"):
+        ct.karras_sigmas(1)
+
+
+def test_ict_curriculum_doubles_at_even_steps():
+    # iCT's CIFAR-10 setting: K = 400,000, s0 = 10, s1 = 1280: K' = floor(400000 / 8) = 50,000
+    assert ct.ict_num_scales(0, 400_000) == 11
+    assert ct.ict_num_scales(49_999, 400_000) == 11
+    assert ct.ict_num_scales(50_000, 400_000) == 21
+    assert ct.ict_num_scales(100_000, 400_000) == 41
+    assert ct.ict_num_scales(350_000, 400_000) == 1281
+    assert ct.ict_num_scales(399_999, 400_000) == 1281
+
+
+def test_lognormal_pair_probabilities_are_the_lognormal_mass_between_levels():
+    sigmas = ct.karras_sigmas(11)
+    p = ct.lognormal_pair_probabilities(sigmas, -1.1, 2.0)
+    cdf = norm.cdf((np.log(sigmas.numpy()) + 1.1) / 2.0)
+    ref = np.diff(cdf) / np.diff(cdf).sum()
+    assert p.shape == (10,) and np.allclose(p.numpy(), ref, atol=1e-12)
+
+
+def test_ict_weight():
+    assert torch.allclose(ct.ict_weight(torch.tensor([1.0, 2.0]), torch.tensor([1.5, 4.0])), torch.tensor([2.0, 0.5]))
+
+
+def test_ect_mapping_follows_the_paper():
+    t = torch.tensor([0.01, 0.5, 2.0, 80.0], dtype=torch.float64)
+    for stage in (0, 1, 3):
+        decay = 1 / 2 ** (stage + 1)
+        ref = torch.clamp(t * (1 - decay * (1 + 8 * torch.sigmoid(-t))), min=0)
+        assert torch.allclose(ct.ect_r(t, stage), ref)
+    # stage 0 at small t: r = 0 (the target is the data); large t: r -> t / 2; later stages: r -> t
+    assert ct.ect_r(torch.tensor([0.01]), 0).item() == 0
+    assert abs(ct.ect_r(torch.tensor([80.0]), 0).item() - 40.0) < 1e-6
+    assert ct.ect_r(torch.tensor([2.0]), 8).item() > 0.99 * 2.0 * (1 - 9 / 2 ** 9)
+    assert ct.ect_stage(0, 100) == 0 and ct.ect_stage(250, 100) == 2
+    with pytest.raises(ValueError, match="double_every=0"):
+        ct.ect_stage(5, 0)
+
+
+def test_boundary_condition_and_input_scalings_match_diffusers_consistency_scheduler():
+    sched = CMStochasticIterativeScheduler(sigma_min=0.002, sigma_max=80.0, sigma_data=0.5)
+    sigma = torch.tensor([0.002, 0.1, 1.0, 10.0, 80.0], dtype=torch.float64)
+    c_skip, c_out = ct.edm_boundary_scalings(sigma, 0.5, 0.002)
+    ref_skip, ref_out = sched.get_scalings_for_boundary_condition(sigma)
+    assert torch.allclose(c_skip, ref_skip) and torch.allclose(c_out, ref_out)
+    assert c_skip[0].item() == 1.0 and c_out[0].item() == 0.0  # f(x, sigma_min) = x
+    c_in, c_noise = ct.edm_input_scalings(sigma, 0.5)
+    assert torch.allclose(c_in, 1 / (sigma ** 2 + 0.25).sqrt())
+    assert np.allclose(c_noise.numpy(), sched.sigma_to_t(sigma.numpy()))
+
+
+def test_ect_loss_is_the_weighted_l2_norm_and_pseudo_huber():
+    pred, target = torch.zeros(2, 3), torch.tensor([[3.0, 4.0, 0.0], [0.0, 0.0, 1.0]])
+    t, r = torch.tensor([2.0, 1.0]), torch.tensor([1.5, 0.0])
+    assert torch.allclose(ct.ect_loss(pred, target, t, r), torch.tensor([5.0 / 0.5, 1.0 / 1.0]))
+    c = 0.1
+    assert torch.allclose(ct.ect_loss(pred, target, t, r, c),
+                          torch.tensor([(math.sqrt(25 + c * c) - c) / 0.5, math.sqrt(1 + c * c) - c]))
+
+
+def test_vp_schedule_in_the_ve_view():
+    sched = DDPMScheduler(num_train_timesteps=1000)
+    sigmas = ct.vp_sigmas(sched.alphas_cumprod)
+    a = sched.alphas_cumprod.double()
+    # x_t = sqrt(a) x0 + sqrt(1-a) eps  ->  x_t / sqrt(a) = x0 + sigma eps
+    assert torch.allclose(sigmas, ((1 - a) / a).sqrt())
+    t = ct.vp_timestep(sigmas[[0, 10, 500, 999]], sigmas)
+    assert torch.allclose(t, torch.tensor([0.0, 10.0, 500.0, 999.0], dtype=torch.float64))
+    mid = ct.vp_timestep((sigmas[10] * sigmas[11]).sqrt().unsqueeze(0), sigmas)  # halfway in log sigma
+    assert abs(mid.item() - 10.5) < 1e-9
