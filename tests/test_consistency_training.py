@@ -94,3 +94,110 @@ def test_vp_schedule_in_the_ve_view():
     assert torch.allclose(t, torch.tensor([0.0, 10.0, 500.0, 999.0], dtype=torch.float64))
     mid = ct.vp_timestep((sigmas[10] * sigmas[11]).sqrt().unsqueeze(0), sigmas)  # halfway in log sigma
     assert abs(mid.item() - 10.5) < 1e-9
+
+
+# ---------------------------------------------------------------- the method against its export
+
+
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory):
+    from tests.sd_tiny import write_tiny_sd
+
+    return write_tiny_sd(tmp_path_factory.mktemp("sd") / "pipe")
+
+
+def _method(tiny_sd, variant, prediction_type="epsilon"):
+    from distill.methods.consistency_training import ConsistencyTraining
+    from distill.models.students import copy_student, fresh_student
+    from distill.models.teacher import load_teacher
+
+    teacher = load_teacher(str(tiny_sd))
+    teacher.scheduler.register_to_config(prediction_type=prediction_type)
+    build = fresh_student if variant == "ict" else copy_student
+    return ConsistencyTraining(teacher, build, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), variant=variant,
+                               curriculum_steps=100)
+
+
+@pytest.mark.parametrize("variant", ["ict", "ect"])
+def test_export_samples_one_step_with_exactly_the_training_parametrisation(tiny_sd, tmp_path, variant):
+    """One step of the exported pipeline, called as a user calls it (only the prompt, the latents fixed to compare),
+    equals the training consistency function f(x_T, sigma_max) on the same noise, in latent space."""
+    import distill.inference.pipelines  # noqa: F401
+    from diffusers import DiffusionPipeline
+
+    method = _method(tiny_sd, variant).eval()
+    out = method.export(tmp_path / "export")
+    pipe = DiffusionPipeline.from_pretrained(out)
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    got = pipe("a handwritten digit three", num_inference_steps=1, latents=z.clone(), output_type="latent").images
+    cond, _ = method.text_conditions({"caption": ["a handwritten digit three"]}, 1, torch.device("cpu"))
+    with torch.no_grad():
+        if variant == "ict":
+            sigma = torch.tensor([method.sigma_max], dtype=torch.float64)
+            x = z * method.sigma_max  # the scheduler's init_noise_sigma
+        else:
+            sigma = method.vp_sigmas[-1:].clone()  # LCMScheduler's single step is at t = T - 1
+            x = z * (1 + sigma.float() ** 2).sqrt()  # the VP sample z in the VE view
+        want = method._consistency_fn(method.student, x, sigma, cond)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_ect_consistency_function_converts_each_prediction_type_to_x0(tiny_sd, prediction_type):
+    """The ECT parametrisation takes the teacher's output as its prediction type says: a network whose output is
+    built from a known x0 gives f = c_skip x + c_out x0 for all three types."""
+    method = _method(tiny_sd, "ect", prediction_type)
+    x0 = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    eps = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+    sigma = torch.tensor([0.5, 3.0], dtype=torch.float64)
+
+    class Oracle(torch.nn.Module):  # answers with the exact epsilon / v / x0 of (x0, eps)
+        def forward(self, x_vp, tau, encoder_hidden_states=None):
+            a = (1 / (1 + sigma ** 2).sqrt()).float().view(-1, 1, 1, 1)
+            s = (1 - a ** 2).sqrt()
+            out = {"epsilon": eps, "v_prediction": a * eps - s * x0, "sample": x0}[prediction_type]
+            return type("Out", (), {"sample": out})()
+
+    x = x0 + sigma.float().view(-1, 1, 1, 1) * eps
+    f = method._consistency_fn(Oracle(), x, sigma, None)
+    tau = ct.vp_timestep(sigma, method.vp_sigmas)
+    from distill.diffusion.consistency import boundary_scalings
+
+    c_skip, c_out = boundary_scalings(tau.float(), 0.5, 10.0)
+    x_vp = x / (1 + sigma.float() ** 2).sqrt().view(-1, 1, 1, 1)
+    torch.testing.assert_close(f, c_skip.view(-1, 1, 1, 1) * x_vp + c_out.view(-1, 1, 1, 1) * x0, rtol=1e-4, atol=1e-5)
+
+
+def test_ict_boundary_makes_f_the_identity_at_sigma_min(tiny_sd):
+    method = _method(tiny_sd, "ict")
+    x = torch.randn(2, 4, 8, 8)
+    cond, _ = method.text_conditions({"caption": ["a", "b"]}, 2, torch.device("cpu"))
+    with torch.no_grad():
+        f = method._consistency_fn(method.student, x, torch.full((2,), method.sigma_min, dtype=torch.float64), cond)
+    torch.testing.assert_close(f, x)
+
+
+def test_ect_pairs_follow_the_mapping_and_ict_pairs_the_curriculum(tiny_sd):
+    method = _method(tiny_sd, "ect")
+    g = torch.Generator().manual_seed(0)
+    r, t = method.ect_pairs(4096, 250, g)
+    assert torch.all(t >= method.vp_sigmas[0]) and torch.all(t <= method.vp_sigmas[-1])
+    assert torch.allclose(r, ct.ect_r(t, 250 // method.double_every))
+    method = _method(tiny_sd, "ict")
+    lo, hi = method.ict_pairs(4096, 0, g)
+    sigmas = ct.karras_sigmas(11)  # N(0) = 11 levels
+    assert set(lo.tolist()) <= set(sigmas[:-1].tolist()) and torch.all(hi > lo)
+    assert torch.allclose(hi, sigmas[torch.searchsorted(sigmas, lo) + 1])
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["method.sigma_min=80", "method.sigma_max=1"], "need 0 < sigma_min < sigma_max"),
+    (["method.s0=0"], "the curriculum needs 1 <= s0 <= s1"),
+    (["method.double_every=0"], "method.double_every=0 must be >= 1"),
+    (["method.variant=foo"], "Invalid value 'foo', expected one of [ict, ect]"),  # Hydra's own check: exit 1
+])
+def test_bad_settings_exit_2_before_training(tmp_path, overrides, needle):
+    from tests.conftest import run_train
+
+    proc = run_train("+exp=consistency_training", "trainer.max_steps=2", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == (1 if "variant" in overrides[0] else 2) and needle in proc.stderr, proc.stderr[-2000:]

@@ -64,6 +64,9 @@ VAEMethodConfig = builds("VAEMethodConfig", "distill.assets.autoencoder.VAETrain
 ConsistencyMethodConfig = builds(
     "ConsistencyMethodConfig", "distill.methods.consistency.LatentConsistencyDistillation",
     exclude=(*_BUILT, "teacher"), choices={"loss_type": ConsistencyLoss}, kwargs_of=_SPEED)
+ConsistencyTrainingMethodConfig = builds(
+    "ConsistencyTrainingMethodConfig", "distill.methods.consistency_training.ConsistencyTraining",
+    exclude=(*_BUILT, "teacher"), kwargs_of=_SPEED)
 ProgressiveMethodConfig = builds(
     "ProgressiveMethodConfig", "distill.methods.progressive.ProgressiveDistillation", exclude=(*_BUILT, "teacher"),
     kwargs_of=_SPEED,
@@ -82,6 +85,8 @@ TeacherConfig = builds("TeacherConfig", "distill.models.teacher.load_teacher")
 _FROM_TEACHER = ("teacher_unet", "noise_scheduler")
 CopyStudentConfig = builds("CopyStudentConfig", "distill.models.students.copy_student", exclude=_FROM_TEACHER[:1],
                            partial=True)
+FreshStudentConfig = builds("FreshStudentConfig", "distill.models.students.fresh_student", exclude=_FROM_TEACHER[:1],
+                            partial=True)
 LoraStudentConfig = builds("LoraStudentConfig", "distill.models.students.lora_student", exclude=_FROM_TEACHER[:1],
                            partial=True)
 TimestepMoEStudentConfig = builds("TimestepMoEStudentConfig", "distill.models.moe.timestep_moe_student",
@@ -318,9 +323,10 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
     "method": {"clip": CLIPMethodConfig, "diffusion": DiffusionMethodConfig, "classifier": ClassifierMethodConfig, "noisy_classifier": NoisyClassifierMethodConfig,
                "vae": VAEMethodConfig, "consistency": ConsistencyMethodConfig,
+               "consistency_training": ConsistencyTrainingMethodConfig,
                "progressive": ProgressiveMethodConfig, "feature_distillation": FeatureDistillationMethodConfig},
     "teacher": {"teacher": TeacherConfig},
-    "student": {"copy": CopyStudentConfig, "lora": LoraStudentConfig, "moe_timestep": TimestepMoEStudentConfig,
+    "student": {"copy": CopyStudentConfig, "fresh": FreshStudentConfig, "lora": LoraStudentConfig, "moe_timestep": TimestepMoEStudentConfig,
                 "moe_token": TokenMoEStudentConfig, "lowrank": LowRankStudentConfig,
                 "pruned": PrunedStudentConfig, "pretrained": PretrainedStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
                 "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig,

@@ -100,7 +100,8 @@ def edm_input_scalings(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Te
 
 
 def ect_loss(pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, r: torch.Tensor, c: float = 0.0) -> torch.Tensor:
-    """Per-example sqrt(||pred - target||^2 + c^2) - c, divided by t - r (ECT's loss, p = 1/2 adaptive weighting)."""
+    """Per-example sqrt(||pred - target||^2 + c^2) - c, divided by t - r: ECT's loss (c = 0 by default: the norm,
+    its adaptive weighting with p = 1/2), and iCT's lambda d with the pseudo-Huber c and lambda = 1 / (t - r)."""
     sq = (pred.float() - target.float()).pow(2).flatten(1).sum(1)
     return ((sq + c ** 2).sqrt() - c) / (t - r).to(sq.dtype)
 

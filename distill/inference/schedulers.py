@@ -25,6 +25,7 @@ SCHEDULERS: dict[str, str] = {
     "heun": "HeunDiscreteScheduler",
     "lcm": "LCMScheduler",
     "tcd": "TCDScheduler",
+    "cm": "CMStochasticIterativeScheduler",  # consistency models in EDM's parametrisation (iCT exports)
 }
 
 

@@ -43,6 +43,22 @@ def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | N
     return student.train().requires_grad_(True)
 
 
+def fresh_student(teacher_unet: UNet2DConditionModel, seed: int = 0, time_cond_proj_dim: int | None = None,
+                  gradient_checkpointing: bool = False) -> UNet2DConditionModel:
+    """The teacher's architecture, freshly initialised (diffusers' own initialisation, from ``seed``): what
+    consistency training from scratch (iCT) trains; ``time_cond_proj_dim`` as in ``copy_student``."""
+    config = {**dict(teacher_unet.config), "time_cond_proj_dim": time_cond_proj_dim}
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        student = UNet2DConditionModel.from_config(config)
+    finally:
+        torch.random.set_rng_state(state)
+    if gradient_checkpointing:
+        student.enable_gradient_checkpointing()
+    return student.train().requires_grad_(True)
+
+
 def lora_student(teacher_unet: UNet2DConditionModel, rank: int = 8, alpha: float | None = None,
                  target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out",
                                                    "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "conv_shortcut",

@@ -1,0 +1,213 @@
+"""Consistency training without a teacher's ODE solver (``+exp=consistency_training``): iCT (Song & Dhariwal
+2023) from a freshly initialised network, or ECT (Geng et al. 2024) tuning the teacher's UNet into a consistency
+model. The teacher supplies the VAE, the text encoder and the noise schedule; its UNet is only ECT's
+initialisation (it never runs during training).
+
+Parametrisations, each exported with the diffusers scheduler that samples with exactly it:
+
+- ``ict``: EDM's, f(x, sigma) = c_skip(sigma) x + c_out(sigma) F(c_in(sigma) x, c_noise(sigma)) on x = x0 + sigma
+  eps, boundary at sigma_min; exported with ``CMStochasticIterativeScheduler`` (the same c_skip, c_out, c_in and
+  c_noise = 250 log sigma).
+- ``ect``: the teacher's own VP time and prediction type with LCM's boundary scalings, f(x_tau, tau) = c_skip(tau)
+  x_tau + c_out(tau) x0(x_tau, tau), where x_tau = (x0 + sigma eps) / sqrt(1 + sigma^2) and tau is the teacher's
+  (continuous) timestep of noise level sigma; exported with ``LCMScheduler`` (sigma_data 0.5, timestep_scaling 10:
+  the values it hard-codes). ECT's t and r are noise levels sigma, as in the paper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import nn
+
+from distill.diffusion import to_x0_eps
+from distill.diffusion import consistency_training as ct
+from distill.diffusion.consistency import boundary_scalings, consistency_output, ict_huber_c
+from distill.methods.distillation import TeacherStudentDistillation
+from distill.models.moe import no_routing_record
+from distill.models.teacher import Teacher
+
+VARIANTS = ("ict", "ect")
+
+
+class ConsistencyTraining(TeacherStudentDistillation):
+    """f_theta(x_t) ~ stopgrad f_theta(x_r) for two noise levels r < t of one noisy trajectory (shared eps); the
+    pairs, weights and distances are iCT's or ECT's (``variant``)."""
+
+    method_name = "consistency_training"
+
+    def __init__(
+        self,
+        teacher: Teacher,
+        student: nn.Module | Callable[[nn.Module], nn.Module],
+        optimizer: Callable,
+        lr_scheduler: Callable | None = None,
+        variant: Literal["ict", "ect"] = "ect",
+        p_mean: float = -1.1,  # lognormal noise levels: log sigma ~ N(p_mean, p_std^2)
+        p_std: float = 2.0,
+        sigma_data: float = 0.5,
+        # iCT
+        sigma_min: float = 0.002,
+        sigma_max: float = 80.0,
+        rho: float = 7.0,
+        s0: int = 10,  # curriculum N(k) from s0 + 1 to s1 + 1 noise levels
+        s1: int = 1280,
+        curriculum_steps: int | None = None,  # K of N(k); None: trainer.max_steps
+        huber_c: float | None = None,  # iCT's pseudo-Huber c; None: 0.00054 sqrt(d)
+        # ECT
+        q: float = 2.0,
+        k: float = 8.0,
+        b: float = 1.0,
+        double_every: int = 100,  # steps between halvings of t - r
+        ect_c: float = 0.0,  # sqrt(||d||^2 + c^2) - c; 0: the L2 norm (the paper's adaptive weighting, p = 1/2)
+        timestep_scaling: float = 10.0,  # ect: LCM's boundary scalings (LCMScheduler's fixed values)
+        cache_prompts: bool = True,
+        sampling: dict | None = None,
+        **speed,
+    ):
+        if variant not in VARIANTS:
+            raise ValueError(f"method.variant={variant!r}; use one of {list(VARIANTS)}")
+        ct.check_sigma_range(sigma_min, sigma_max)
+        if s0 < 1 or s1 < s0:
+            raise ValueError(f"method.s0={s0}, method.s1={s1}: the curriculum needs 1 <= s0 <= s1 (N = s + 1 >= 2)")
+        if double_every < 1:
+            raise ValueError(f"method.double_every={double_every} must be >= 1")
+        if p_std <= 0 or sigma_data <= 0:
+            raise ValueError(f"method.p_std={p_std}, method.sigma_data={sigma_data}: both must be > 0")
+        super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=1.0, guidance_scale_max=1.0,
+                         cache_prompts=cache_prompts, **speed)
+        if self.is_lora and variant == "ict":
+            raise ValueError("method.variant=ict trains a freshly initialised network (student=fresh); a LoRA student "
+                             "keeps the teacher's weights: use method.variant=ect")
+        self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
+        self.variant, self.p_mean, self.p_std, self.sigma_data = variant, p_mean, p_std, sigma_data
+        self.sigma_min, self.sigma_max, self.rho, self.s0, self.s1 = sigma_min, sigma_max, rho, s0, s1
+        self.curriculum_steps, self.huber_c = curriculum_steps, huber_c
+        self.q, self.k, self.b, self.double_every, self.ect_c = q, k, b, double_every, ect_c
+        self.timestep_scaling = timestep_scaling
+        self.prediction_type = teacher.prediction_type
+        default = {"name": "cm" if variant == "ict" else "lcm", "num_inference_steps": 2, "guidance_scale": 1.0}
+        self.sampling = dict(sampling or default)
+        self.register_buffer("alphas_cumprod", teacher.scheduler.alphas_cumprod.clone().float(), persistent=False)
+        self.register_buffer("vp_sigmas", ct.vp_sigmas(teacher.scheduler.alphas_cumprod), persistent=False)
+
+    # ------------------------------------------------------------------ networks
+
+    def frozen_networks(self) -> list[nn.Module]:
+        return []  # the teacher's UNet never runs: nothing to compile or keep channels-last
+
+    def _consistency_fn(self, net: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """f(x0 + sigma eps, sigma) in x0 space, from the VE-view sample ``x`` = x0 + sigma eps."""
+        shape = (-1,) + (1,) * (x.ndim - 1)
+        if self.variant == "ict":
+            c_skip, c_out = ct.edm_boundary_scalings(sigma.double(), self.sigma_data, self.sigma_min)
+            c_in, c_noise = ct.edm_input_scalings(sigma.double(), self.sigma_data)
+            out = net((x * c_in.to(x).view(shape)), c_noise.to(x.dtype), encoder_hidden_states=cond).sample
+            return c_skip.to(x).view(shape) * x + c_out.to(x).view(shape) * out.float()
+        tau = ct.vp_timestep(sigma, self.vp_sigmas)
+        alpha = (1 / (1 + sigma.double() ** 2).sqrt()).to(x).view(shape)
+        x_vp = x * alpha
+        out = net(x_vp, tau.to(x.dtype), encoder_hidden_states=cond).sample.float()
+        x0, _ = to_x0_eps(self.prediction_type, out, x_vp, alpha, (1 - alpha ** 2).sqrt())
+        c_skip, c_out = boundary_scalings(tau.to(x), 0.5, self.timestep_scaling)
+        return consistency_output(x_vp, x0, c_skip, c_out)
+
+    # ------------------------------------------------------------------ the training pairs
+
+    def _curriculum_total(self) -> int:
+        total = self.curriculum_steps or (self.trainer.max_steps if self._trainer is not None else -1)
+        if total is None or total < 1:
+            raise ValueError("method.variant=ict needs the curriculum's length: set trainer.max_steps or "
+                             "method.curriculum_steps")
+        return total
+
+    def ict_pairs(self, n: int, step: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigma_i, sigma_{i+1}) for n examples: N(step) Karras levels, pairs drawn lognormally."""
+        sigmas = ct.karras_sigmas(ct.ict_num_scales(step, self._curriculum_total(), self.s0, self.s1),
+                                  self.sigma_min, self.sigma_max, self.rho)
+        p = ct.lognormal_pair_probabilities(sigmas, self.p_mean, self.p_std)
+        i = torch.multinomial(p, n, replacement=True, generator=generator)
+        return sigmas[i], sigmas[i + 1]
+
+    def ect_pairs(self, n: int, step: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(r, t) for n examples: t lognormal within the teacher's noise range, r = ECT's mapping of t."""
+        t = ct.lognormal_sigmas(n, self.p_mean, self.p_std, generator)
+        t = t.clamp(float(self.vp_sigmas[0]), float(self.vp_sigmas[-1]))
+        return ct.ect_r(t, ct.ect_stage(step, self.double_every), self.q, self.k, self.b), t
+
+    # ------------------------------------------------------------------ objective
+
+    def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        x0 = self.latents(batch, generator)
+        n, device = x0.shape[0], x0.device
+        step = self.global_step if self._trainer is not None else 0
+        pairs = self.ict_pairs if self.variant == "ict" else self.ect_pairs
+        r, t = (s.to(device) for s in pairs(n, step, generator))
+        cond, _ = self.text_conditions(batch, n, device)
+        eps = torch.randn(x0.shape, generator=generator).to(x0)
+        shape = (-1,) + (1,) * (x0.ndim - 1)
+        f_t = self._consistency_fn(self.student, x0 + t.to(x0).view(shape) * eps, t, cond)
+        with torch.no_grad(), no_routing_record(self.student):  # the same weights under stop-gradient
+            if self.variant == "ict":
+                f_r = self._consistency_fn(self.student, x0 + r.to(x0).view(shape) * eps, r, cond)
+            else:  # r = 0: the target is the data (the mapping's diffusion-training start)
+                live = r > 0
+                f_r = x0.clone()
+                if live.any():
+                    idx = live.nonzero(as_tuple=True)[0]
+                    f_r[idx] = self._consistency_fn(self.student, x0[idx] + r[idx].to(x0).view(shape) * eps[idx],
+                                                    r[idx], cond[idx])
+        # both: lambda(t, r) d(f_t, f_r) with lambda = 1 / (t - r) (iCT: 1 / (sigma_{i+1} - sigma_i)) and the
+        # per-example pseudo-Huber distance sqrt(||.||^2 + c^2) - c (iCT: c = 0.00054 sqrt(d); ECT: c = 0, the norm)
+        c = (self.huber_c if self.huber_c is not None else ict_huber_c(x0[0].numel())) if self.variant == "ict" \
+            else self.ect_c
+        return ct.ect_loss(f_t, f_r, t, r, c).mean()
+
+    # ------------------------------------------------------------------ sampling and export
+
+    @property
+    def num_inference_steps(self) -> int:
+        return self.sampling["num_inference_steps"]
+
+    def sampling_scheduler(self, name: str | None = None):
+        """The training parametrisation's scheduler (``cm`` for iCT, ``lcm`` for ECT) or another by ``name``."""
+        from distill.inference.schedulers import make_scheduler, scheduler_options
+
+        name = name or self.sampling["name"]
+        options = {} if name == self.sampling["name"] else scheduler_options(name)
+        if name == "cm":
+            if self.variant != "ict":
+                raise ValueError("scheduler=cm samples iCT's EDM parametrisation; method.variant=ect samples with lcm")
+            # latents are not confined to [-1, 1]: the scheduler's default clipping of the denoised sample is off
+            options.update(sigma_min=self.sigma_min, sigma_max=self.sigma_max, sigma_data=self.sigma_data, rho=self.rho,
+                           clip_denoised=False)
+        elif name in ("lcm", "tcd"):
+            if self.variant != "ect":
+                raise ValueError(f"scheduler={name} samples ECT's VP parametrisation; method.variant=ict samples with cm")
+            options.update(timestep_scaling=self.timestep_scaling)
+        if name == self.sampling["name"]:
+            options.update(self.sampling.get("options") or {})
+        return make_scheduler(name, self.noise_scheduler_config, **options)
+
+    def call_defaults(self) -> dict:
+        """The intended call: the configured steps, no classifier-free guidance (there is no teacher to guide)."""
+        return {"default_num_inference_steps": self.num_inference_steps, "default_guidance_scale": 1.0,
+                "guidance_distilled": False}
+
+    def guidance_source(self) -> str:
+        return "no guidance"
+
+    def guidance_note(self) -> str:
+        return ("trained by consistency training on conditional samples, with no teacher and no guidance: one UNet "
+                "evaluation per step at guidance_scale 1 (a higher scale would add an unconditional pass the model "
+                "was not trained for).")
+
+    def export_info(self) -> dict:
+        info = {"variant": self.variant, "sigma_data": self.sigma_data}
+        if self.variant == "ict":
+            info.update(sigma_min=self.sigma_min, sigma_max=self.sigma_max, rho=self.rho)
+        else:
+            info.update(timestep_scaling=self.timestep_scaling, double_every=self.double_every)
+        return info
