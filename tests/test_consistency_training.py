@@ -122,8 +122,9 @@ def _method(tiny_sd, variant, prediction_type="epsilon"):
 def test_export_samples_one_step_with_exactly_the_training_parametrisation(tiny_sd, tmp_path, variant):
     """One step of the exported pipeline, called as a user calls it (only the prompt, the latents fixed to compare),
     equals the training consistency function f(x_T, sigma_max) on the same noise, in latent space."""
-    import distill.inference.pipelines  # noqa: F401
     from diffusers import DiffusionPipeline
+
+    import distill.inference.pipelines  # noqa: F401
 
     method = _method(tiny_sd, variant).eval()
     out = method.export(tmp_path / "export")

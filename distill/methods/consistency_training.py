@@ -22,8 +22,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from distill.diffusion import to_x0_eps
 from distill.diffusion import consistency_training as ct
+from distill.diffusion import to_x0_eps
 from distill.diffusion.consistency import boundary_scalings, consistency_output, ict_huber_c
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
