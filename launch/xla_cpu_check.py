@@ -32,7 +32,8 @@ def _last_counts(text: str) -> dict[str, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/xla_cpu_check"))
-    parser.add_argument("--prompt", default=None, help="default: the export's first evaluation prompt")
+    parser.add_argument("--prompt", default="a handwritten digit 3")
+    parser.add_argument("--reuse", action="store_true", help="keep trainings already finished in --out (sample only)")
     args = parser.parse_args()
     if os.environ.get("PJRT_DEVICE") is None:
         sys.exit("error: PJRT_DEVICE is not set; run through launch/xla_cpu_check.sh (PJRT_DEVICE=CPU)")
@@ -51,34 +52,44 @@ def main() -> int:
                f"method.lr_scheduler.total_steps={steps}", "trainer.limit_val_batches=0", "callbacks.quality_cost=null",
                "callbacks.samples=null", "sample_grid_seeds=0", "logger=csv", f"trainer.log_every_n_steps={steps}",
                "callbacks.progress=null", f"hydra.run.dir={run_dir}"]
-        if run_dir.exists():
-            import shutil
+        metrics_file, log_file = out / f"xla_metrics_{steps}.txt", out / f"train_{steps}.log"
+        if args.reuse and (run_dir / "export").is_dir() and metrics_file.is_file():
+            walls[steps] = json.loads((out / "walls.json").read_text())[str(steps)]
+            text = log_file.read_text()
+        else:
+            if run_dir.exists():
+                import shutil
 
-            shutil.rmtree(run_dir)
-        metrics_file = out / f"xla_metrics_{steps}.txt"
-        metrics_file.unlink(missing_ok=True)
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, text=True, capture_output=True, env={**os.environ, "XLA_METRICS_FILE": str(metrics_file)})
-        walls[steps] = time.perf_counter() - start
-        (out / f"train_{steps}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            print(proc.stderr[-4000:], file=sys.stderr)
-            sys.exit(f"error: the training failed (exit {proc.returncode}); log: {out / f'train_{steps}.log'}")
+                shutil.rmtree(run_dir)
+            metrics_file.unlink(missing_ok=True)
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, text=True, capture_output=True,
+                                  env={**os.environ, "XLA_METRICS_FILE": str(metrics_file)})
+            walls[steps] = time.perf_counter() - start
+            text = proc.stdout + proc.stderr
+            log_file.write_text(text)
+            if proc.returncode != 0:
+                print(proc.stderr[-4000:], file=sys.stderr)
+                sys.exit(f"error: the training failed (exit {proc.returncode}); log: {log_file}")
+            saved = json.loads((out / "walls.json").read_text()) if (out / "walls.json").is_file() else {}
+            (out / "walls.json").write_text(json.dumps({**saved, str(steps): walls[steps]}))
         import csv
 
         rows = list(csv.DictReader(open(run_dir / "csv" / "metrics.csv")))
         losses[steps] = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
         counts[steps] = _last_counts(metrics_file.read_text())
-        guard = [line for line in (proc.stdout + proc.stderr).splitlines() if "non-finite guard: skips" in line]
+        guard = [line for line in text.splitlines() if "non-finite guard: skips" in line]
     per_step = {k: (counts[4].get(k, 0) - counts[2].get(k, 0)) / 2 for k in ("CompileTime", "TransferFromDeviceTime")}
     loss = losses[4][-1]
     cmd_shown = " ".join(cmd[1:])
 
     from diffusers import DiffusionPipeline
 
+    import distill.inference.pipelines  # noqa: F401  (registers the export's pipeline class with diffusers)
+
     device = torch_xla.device()
     pipe = DiffusionPipeline.from_pretrained(out / "train_4" / "export").to(device)
-    prompt = args.prompt or "a handwritten digit 3"
+    prompt = args.prompt
     times = []
     for _ in range(2):  # the first call traces and compiles the graphs, the second reuses them
         start = time.perf_counter()
