@@ -109,7 +109,8 @@ def test_resume_mid_epoch_and_at_an_epoch_boundary_is_bit_identical(straight, tm
     _assert_same_run(straight, run_dir)
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+# the LCM run in the default suite; the debug run and LCM with accumulation (about 2 minutes more) are slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "lcm" else n for n in RUNS])
 def test_sigkill_in_the_middle_of_a_step_then_resume(straight_runs, tmp_path, name):
     """debug: the EMA callback; lcm: the module's EMA target (updated after each optimizer step, so a checkpoint
     holds the target of its own step); lcm_accumulate: the same with 2 micro-batches per optimizer step."""
@@ -291,6 +292,7 @@ def test_mixed_precision_clips_a_fused_optimizer_and_skips_on_the_device(tmp_pat
     assert not all(torch.equal(ckpt4["state_dict"][k], ckpt3["state_dict"][k]) for k in student)
 
 
+@pytest.mark.slow  # the refusal is unit-tested (test_checkpoint_of_another_method_is_refused); end to end: ~30 s
 def test_checkpoint_of_another_architecture_is_refused_before_compute(tmp_path):
     run_dir = tmp_path / "run"
     first = run_train(*COMMON, "trainer.max_steps=2", "logger=csv", f"hydra.run.dir={run_dir}")
@@ -348,6 +350,9 @@ def test_checkpoint_of_another_method_is_refused():
     other = {**ok, "distill": {**here, "method": "distill.methods.progressive.ProgressiveDistillation"}}
     with pytest.raises(ValueError, match="other.ckpt was written by method distill.methods.progressive"):
         _check_compatible(other, "other.ckpt", method)
+    wider = {**ok, "state_dict": {**ok["state_dict"], "student.weight": torch.zeros(3, 2)}}
+    with pytest.raises(ValueError, match=r"wider.ckpt does not fit this student: student.weight has shape \(3, 2\)"):
+        _check_compatible(wider, "wider.ckpt", method)
 
 
 # ---------------------------------------------------------------- EMA: once per optimizer step
