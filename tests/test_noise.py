@@ -8,7 +8,12 @@ import pytest
 import torch
 from scipy.stats import norm
 
-from distill.diffusion.noise import TimeSampler, antithetic_noise, lognormal_bin_probabilities, stratified_unit
+from distill.diffusion.noise import (
+    TimeSampler,
+    antithetic_noise,
+    lognormal_bin_probabilities,
+    stratified_unit,
+)
 
 
 def test_antithetic_pairs_are_exact_negatives():
