@@ -41,6 +41,7 @@ def test_empty_or_missing_url_folder_is_a_fresh_start(memory_folder):
     assert resolve_resume(memory_folder) == (None, None)
 
 
+@pytest.mark.slow  # ~40 s; resume itself is covered by tests/test_resilience.py
 def test_training_with_a_file_url_checkpoint_folder_resumes(tmp_path):
     folder = f"file://{tmp_path}/ckpts"
     common = ["+exp=debug", "data.batch_size=256", "method.lr_scheduler.total_steps=6", "logger=csv", "export=false",

@@ -31,7 +31,7 @@ def test_cfg_job_prints_composed_config():
         (["method.prediction_type=flow"], 1,
          ["full_key: method.prediction_type", "Invalid value 'flow', expected one of [epsilon, sample, v_prediction]"]),
         (["scheduler.name=plms"], 1,
-         ["full_key: scheduler.name", "'plms', expected one of [ddpm, ddim, dpmsolver, unipc, euler, heun, lcm, tcd]"]),
+         ["full_key: scheduler.name", "'plms', expected one of [ddpm, ddim, dpmsolver, unipc, euler, heun, lcm, tcd, cm]"]),
         (["student.size=huge"], 1, ["full_key: student.size", "'huge', expected one of [debug, tiny, small, base]"]),
         (["+exp=consistency", "method.loss_type=l1"], 1,
          ["full_key: method.loss_type", "'l1', expected one of [l2, huber, pseudo_huber, pseudo_huber_elementwise]"]),

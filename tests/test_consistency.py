@@ -159,6 +159,7 @@ LCM_FAST = ["callbacks.quality_cost=null", "student.time_cond_proj_dim=32", "dat
             "trainer.limit_val_batches=1", "callbacks.samples.num_seeds=1", "sample_grid_seeds=1", "logger=csv"]
 
 
+@pytest.mark.slow  # ~55 s of training
 def test_digits_teacher_short_distillation_lowers_consistency_loss(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train("+exp=consistency", "data.batch_size=32", "trainer.max_steps=60", "trainer.val_check_interval=20",

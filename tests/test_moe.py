@@ -339,7 +339,8 @@ def tiny_sd_path(tmp_path_factory):
     return write_tiny_sd(tmp_path_factory.mktemp("sd_cli") / "pipe")
 
 
-@pytest.mark.parametrize("student, cls", [("moe_token", TokenMoEUNet), ("moe_timestep", TimestepMoEUNet)])
+@pytest.mark.parametrize("student, cls", [pytest.param("moe_token", TokenMoEUNet, marks=pytest.mark.slow),
+                                          ("moe_timestep", TimestepMoEUNet)])  # token MoE: ~30 s, slow
 def test_moe_trains_with_consistency_logs_router_stats_and_exports(tiny_sd_path, tmp_path, student, cls):
     import csv
 

@@ -225,6 +225,7 @@ def test_evaluate_fused_unet_gives_the_same_rows(tiny_sd, tmp_path):
         assert float(rows["fused"][key]) == pytest.approx(float(rows["plain"][key]), rel=1e-4, abs=1e-4), key
 
 
+@pytest.mark.slow  # ~30 s; each accelerator has its own tests
 def test_quality_cost_callback_sweeps_accelerators(tiny_sd, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train(

@@ -192,6 +192,7 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog
     assert "last.ckpt" in caplog.text and "instead of the unreadable" in caplog.text
 
 
+@pytest.mark.slow  # ~35 s; resolve_resume skipping a damaged file is unit-tested
 def test_resume_skips_a_corrupted_last_checkpoint_end_to_end(straight, tmp_path):
     run_dir = tmp_path / "run"
     first = run_train(*COMMON, "trainer.max_steps=4", "logger=csv", f"hydra.run.dir={run_dir}")
@@ -316,6 +317,7 @@ def straight_ddp(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow  # ~100 s with its straight run; trainer=cpu_fsdp vs cpu_ddp runs DDP in the default suite
 def test_ddp_resume_and_preemption(straight_ddp, tmp_path):
     run_dir = tmp_path / "run"
     first = run_train(*COMMON, *DDP, "trainer.max_steps=3", "logger=csv", f"hydra.run.dir={run_dir}")
