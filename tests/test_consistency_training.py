@@ -182,7 +182,7 @@ def test_ect_pairs_follow_the_mapping_and_ict_pairs_the_curriculum(tiny_sd):
     method = _method(tiny_sd, "ect")
     g = torch.Generator().manual_seed(0)
     r, t = method.ect_pairs(4096, 250, g)
-    assert torch.all(t >= method.vp_sigmas[0]) and torch.all(t <= method.vp_sigmas[-1])
+    assert torch.all(t >= method.vp_sigmas[1]) and torch.all(t <= method.vp_sigmas[-1])
     assert torch.allclose(r, ct.ect_r(t, 250 // method.double_every))
     method = _method(tiny_sd, "ict")
     lo, hi = method.ict_pairs(4096, 0, g)
@@ -202,3 +202,15 @@ def test_bad_settings_exit_2_before_training(tmp_path, overrides, needle):
 
     proc = run_train("+exp=consistency_training", "trainer.max_steps=2", *overrides, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == (1 if "variant" in overrides[0] else 2) and needle in proc.stderr, proc.stderr[-2000:]
+
+
+def test_truncated_lognormal_is_the_conditioned_distribution():
+    lo, hi = 0.03, 15.0
+    t = ct.truncated_lognormal_sigmas(200_000, lo, hi, -1.1, 2.0, torch.Generator().manual_seed(0))
+    assert t.min() >= lo and t.max() <= hi
+    a, b = norm.cdf((np.log(lo) + 1.1) / 2), norm.cdf((np.log(hi) + 1.1) / 2)
+    for q in (0.1, 0.5, 0.9):  # quantiles of log t against the truncated normal's
+        want = -1.1 + 2 * norm.ppf(a + q * (b - a))
+        assert abs(np.quantile(np.log(t.numpy()), q) - want) < 0.02
+    with pytest.raises(ValueError, match="need 0 < lo < hi"):
+        ct.truncated_lognormal_sigmas(4, 1.0, 0.5)

@@ -132,9 +132,11 @@ class ConsistencyTraining(TeacherStudentDistillation):
         return sigmas[i], sigmas[i + 1]
 
     def ect_pairs(self, n: int, step: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r, t) for n examples: t lognormal within the teacher's noise range, r = ECT's mapping of t."""
-        t = ct.lognormal_sigmas(n, self.p_mean, self.p_std, generator)
-        t = t.clamp(float(self.vp_sigmas[0]), float(self.vp_sigmas[-1]))
+        """(r, t) for n examples: t lognormal truncated to the teacher's noise range above its first timestep (at
+        timestep 0 LCM's c_out is 0: the network's output would drop out, so a clamped draw would train nothing),
+        r = ECT's mapping of t."""
+        t = ct.truncated_lognormal_sigmas(n, float(self.vp_sigmas[1]), float(self.vp_sigmas[-1]), self.p_mean,
+                                          self.p_std, generator)
         return ct.ect_r(t, ct.ect_stage(step, self.double_every), self.q, self.k, self.b), t
 
     # ------------------------------------------------------------------ objective
