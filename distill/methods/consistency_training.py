@@ -104,12 +104,12 @@ class ConsistencyTraining(TeacherStudentDistillation):
         if self.variant == "ict":
             c_skip, c_out = ct.edm_boundary_scalings(sigma.double(), self.sigma_data, self.sigma_min)
             c_in, c_noise = ct.edm_input_scalings(sigma.double(), self.sigma_data)
-            out = net((x * c_in.to(x).view(shape)), c_noise.to(x.dtype), encoder_hidden_states=cond).sample
+            out = net((x * c_in.to(x).view(shape)), c_noise.float(), encoder_hidden_states=cond).sample
             return c_skip.to(x).view(shape) * x + c_out.to(x).view(shape) * out.float()
         tau = ct.vp_timestep(sigma, self.vp_sigmas)
         alpha = (1 / (1 + sigma.double() ** 2).sqrt()).to(x).view(shape)
         x_vp = x * alpha
-        out = net(x_vp, tau.to(x.dtype), encoder_hidden_states=cond).sample.float()
+        out = net(x_vp, tau.float(), encoder_hidden_states=cond).sample.float()
         x0, _ = to_x0_eps(self.prediction_type, out, x_vp, alpha, (1 - alpha ** 2).sqrt())
         c_skip, c_out = boundary_scalings(tau.to(x), 0.5, self.timestep_scaling)
         return consistency_output(x_vp, x0, c_skip, c_out)
@@ -185,10 +185,13 @@ class ConsistencyTraining(TeacherStudentDistillation):
             # latents are not confined to [-1, 1]: the scheduler's default clipping of the denoised sample is off
             options.update(sigma_min=self.sigma_min, sigma_max=self.sigma_max, sigma_data=self.sigma_data, rho=self.rho,
                            clip_denoised=False)
-        elif name in ("lcm", "tcd"):
+        elif name == "lcm":
             if self.variant != "ect":
-                raise ValueError(f"scheduler={name} samples ECT's VP parametrisation; method.variant=ict samples with cm")
+                raise ValueError("scheduler=lcm samples ECT's VP parametrisation; method.variant=ict samples with cm")
             options.update(timestep_scaling=self.timestep_scaling)
+        elif name == "tcd":  # TCD leaves out c_skip/c_out and re-noises stochastically: not what was trained
+            raise ValueError("scheduler=tcd does not sample the consistency-training parametrisation; use lcm (ect) "
+                             "or cm (ict)")
         if name == self.sampling["name"]:
             options.update(self.sampling.get("options") or {})
         return make_scheduler(name, self.noise_scheduler_config, **options)
