@@ -51,7 +51,7 @@ def reshard(module) -> None:
     ``reshard_after_forward=false`` a unit that took no part in the backward keeps its gathered parameters."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(module, nn.Module):
+    if isinstance(module, FSDPModule):  # a sharded network's root is a unit: nothing to walk for any other
         for m in module.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
