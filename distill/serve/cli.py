@@ -134,6 +134,9 @@ def serve(cfg: DictConfig) -> None:
     server = _server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.drain_timeout_s))
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
+    # listening before the address is announced: a client that reads it connects at once (queued until uvicorn
+    # accepts) instead of being refused while the event loop starts
+    sock.listen(2048)
     print(f"distill.serve: {model} ({engine.mode} mode, batch {engine.max_batch_size}, {engine.default_steps} steps, "
           f"guidance {engine.default_guidance}) on http://{host}:{port}", flush=True)
     server.run(sockets=[sock])
