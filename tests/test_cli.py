@@ -20,23 +20,54 @@ def test_cfg_job_prints_composed_config():
 
 # Exit code 1: what Hydra rejects at composition (unknown key, wrong type, a value outside a fixed set of
 # choices); 2: what distill checks (distill.config.validate and the checks before any model is built).
+# Every composition error is checked in-process (test_composition_rejects_...); a few of them, and each of distill's
+# own checks, through the command line as users meet them.
+COMPOSITION_ERRORS = [
+    (["trainer.max_step=3"], ["trainer.max_step"]),  # typo: unknown key
+    (["data.batch_size=abc"], ["data.batch_size"]),  # wrong type
+    (["method.cond_dropout=often"], ["method.cond_dropout"]),
+    (["callbacks.samples.num_seed=2"], ["callbacks.samples.num_seed"]),  # typo in a callback's settings
+    (["method.prediction_type=flow"],
+     ["full_key: method.prediction_type", "Invalid value 'flow', expected one of [epsilon, sample, v_prediction]"]),
+    (["scheduler.name=plms"],
+     ["full_key: scheduler.name", "'plms', expected one of [ddpm, ddim, dpmsolver, unipc, euler, heun, lcm, tcd, cm]"]),
+    (["student.size=huge"], ["full_key: student.size", "'huge', expected one of [debug, tiny, small, base]"]),
+    (["+exp=consistency", "method.loss_type=l1"],
+     ["full_key: method.loss_type", "'l1', expected one of [l2, huber, pseudo_huber, pseudo_huber_elementwise]"]),
+    (["+exp=nonexistent"], ["nonexistent"]),
+]
+
+
+@pytest.mark.parametrize("overrides, needles", COMPOSITION_ERRORS)
+def test_composition_rejects_bad_values_naming_the_key(compose, overrides, needles):
+    with pytest.raises(Exception) as info:  # noqa: PT011 - Hydra's and OmegaConf's own error types
+        compose(*overrides)
+    err, text = info.value, ""
+    while err is not None:
+        text += f"{err}\n"
+        err = err.__cause__ or err.__context__
+    for needle in needles:
+        assert needle in text, text
+
+
+_SLOW = pytest.mark.slow  # each CLI case is a process start (~15-20 s on 2 cores); these repeat a covered path
+
+
 @pytest.mark.parametrize(
     "overrides, code, needles",
     [
-        (["trainer.max_step=3"], 1, ["trainer.max_step"]),  # typo: unknown key
-        (["data.batch_size=abc"], 1, ["data.batch_size"]),  # wrong type
-        (["method.cond_dropout=often"], 1, ["method.cond_dropout"]),
-        (["callbacks.samples.num_seed=2"], 1, ["callbacks.samples.num_seed"]),  # typo in a callback's settings
+        (["trainer.max_step=3"], 1, ["trainer.max_step"]),
+        pytest.param(["data.batch_size=abc"], 1, ["data.batch_size"], marks=_SLOW),
+        pytest.param(["method.cond_dropout=often"], 1, ["method.cond_dropout"], marks=_SLOW),
+        pytest.param(["callbacks.samples.num_seed=2"], 1, ["callbacks.samples.num_seed"], marks=_SLOW),
         (["data=imagefolder"], 2, ["data.root"]),  # required value missing
         (["method.prediction_type=flow"], 1,
          ["full_key: method.prediction_type", "Invalid value 'flow', expected one of [epsilon, sample, v_prediction]"]),
-        (["scheduler.name=plms"], 1,
-         ["full_key: scheduler.name", "'plms', expected one of [ddpm, ddim, dpmsolver, unipc, euler, heun, lcm, tcd, cm]"]),
-        (["student.size=huge"], 1, ["full_key: student.size", "'huge', expected one of [debug, tiny, small, base]"]),
-        (["+exp=consistency", "method.loss_type=l1"], 1,
-         ["full_key: method.loss_type", "'l1', expected one of [l2, huber, pseudo_huber, pseudo_huber_elementwise]"]),
+        pytest.param(["scheduler.name=plms"], 1, ["full_key: scheduler.name", "'plms', expected one of"], marks=_SLOW),
+        pytest.param(["student.size=huge"], 1, ["full_key: student.size"], marks=_SLOW),
+        pytest.param(["+exp=consistency", "method.loss_type=l1"], 1, ["full_key: method.loss_type"], marks=_SLOW),
         (["method.cond_dropout=1.5"], 2, ["method.cond_dropout=1.5"]),
-        (["data.resolution=18"], 2, ["not divisible"]),
+        pytest.param(["data.resolution=18"], 2, ["not divisible"], marks=_SLOW),
         (["ckpt_path=/nonexistent/x.ckpt"], 2, ["ckpt_path='/nonexistent/x.ckpt'"]),
         (["+exp=nonexistent"], 1, ["nonexistent"]),
         (["+exp=consistency", "callbacks=none"], 2, ["callbacks.quality_cost has settings but no _target_"]),
@@ -53,7 +84,7 @@ def test_bad_config_fails_early_and_writes_nothing(tmp_path, overrides, code, ne
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("content", ["empty", "broken"])
+@pytest.mark.parametrize("content", [pytest.param("empty", marks=pytest.mark.slow), "broken"])
 def test_data_folder_without_usable_images_fails_before_training(tmp_path, content):
     root = tmp_path / "images"
     root.mkdir()

@@ -1,6 +1,7 @@
 """Every config group option and experiment composes, and runs one fast_dev_run step on CPU."""
 
 import csv
+import dataclasses
 import io
 import tarfile
 from collections.abc import Callable
@@ -157,6 +158,8 @@ def _same(value, default) -> bool:
         return type(value) is type(default) and value == default
     if isinstance(value, dict) and isinstance(default, dict):
         return value == default == {}
+    if isinstance(value, dict) and dataclasses.is_dataclass(default):  # a nested group of options, whole
+        return value == dataclasses.asdict(default)
     return value == default
 
 

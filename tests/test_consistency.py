@@ -214,8 +214,9 @@ def test_lora_student_exports_weights_that_load_into_the_teacher(tiny_sd, tmp_pa
     "overrides, needle",
     [
         (["teacher.pretrained_model_name_or_path=/tmp"], "not a diffusers pipeline folder"),
-        (["method.guidance_scale_min=8", "method.guidance_scale_max=4"], "guidance_scale_min=8.0 > method.guidance_scale_max=4.0"),
-        (["data.resolution=30"], "not divisible by the teacher's VAE factor 4"),
+        pytest.param(["method.guidance_scale_min=8", "method.guidance_scale_max=4"],
+                     "guidance_scale_min=8.0 > method.guidance_scale_max=4.0", marks=pytest.mark.slow),
+        pytest.param(["data.resolution=30"], "not divisible by the teacher's VAE factor 4", marks=pytest.mark.slow),
         (["method.loss_type=huber", "method.huber_c=null"], "method.huber_c=null"),
     ],
 )

@@ -9,7 +9,6 @@ from distill.diffusion import (
     alpha_sigma,
     diffusion_loss,
     prediction_target,
-    sample_timesteps,
     snr,
     snr_weight,
     to_x0_eps,
@@ -91,20 +90,24 @@ def test_diffusion_loss_is_weighted_mse():
     assert diffusion_loss(pred, target, weight).item() == pytest.approx((2.5 * 1.0 + 17.0 * 0.5) / 2)
 
 
-def test_stratified_timesteps_cover_every_stratum():
+def test_stratified_timesteps_cover_every_stratum_as_the_sampler_of_kingma_et_al():
+    """TimeSampler(stratified): t_i = floor(T ((u + i/N) mod 1)) with one float32 u, the draw the diffusion method made
+    before method.noise (the same generator stream gives the same timesteps)."""
+    from distill.diffusion.noise import TimeSampler
+
     n, T = 16, 1000
-    t = sample_timesteps(n, T, "stratified", torch.Generator().manual_seed(0))
-    strata = sorted((t * n // T).tolist())
-    assert strata == list(range(n))
-    assert t.min() >= 0 and t.max() < T
+    t, w = TimeSampler(T, stratified=True).sample(n, torch.Generator().manual_seed(0))
+    assert sorted((t * n // T).tolist()) == list(range(n)) and torch.equal(w, torch.ones(n, dtype=torch.float64))
+    u = torch.rand((), generator=torch.Generator().manual_seed(0))
+    ref = (torch.remainder(u + torch.arange(n) / n, 1.0) * T).long()
+    assert torch.equal(t, ref)
 
 
-def test_uniform_timesteps_are_seeded():
-    a = sample_timesteps(32, 1000, "uniform", torch.Generator().manual_seed(5))
-    b = sample_timesteps(32, 1000, "uniform", torch.Generator().manual_seed(5))
-    assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="lognormal"):
-        sample_timesteps(4, 1000, "lognormal")
+def test_uniform_timesteps_are_seeded_randint():
+    from distill.diffusion.noise import TimeSampler
+
+    a, _ = TimeSampler(1000).sample(32, torch.Generator().manual_seed(5))
+    assert torch.equal(a, torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(5)))
 
 
 def test_snr_of_cosine_schedule_midpoint(scheduler):

@@ -151,6 +151,7 @@ def test_sharded_ema_and_gathered_networks_equal_the_unsharded_ones(tmp_path):
 # ---------------------------------------------------------------- whole training runs
 
 
+@pytest.mark.slow  # ~60 s: two 2-process runs; the default suite keeps the sharded EMA/gather equivalence
 def test_fsdp_training_equals_ddp(tmp_path):
     """Sharding changes where parameters, gradients and optimizer states live, not the update: 3 steps of the
     debug run (an EMA callback, AdamW, clipping) under trainer=cpu_fsdp and trainer=cpu_ddp give the same student."""

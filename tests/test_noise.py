@@ -2,6 +2,7 @@
 (unbiased by Monte Carlo, with a tolerance from the sample count)."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def _f(bins: torch.Tensor) -> torch.Tensor:  # a per-time loss that varies by tw
     return 0.05 + (bins.double() / 49) ** 3 * 5
 
 
-@pytest.mark.parametrize("proposal", ["uniform", "lognormal", "adaptive"])
+@pytest.mark.parametrize("proposal", ["default", "lognormal", "adaptive"])
 @pytest.mark.parametrize("stratified", [False, True])
 def test_importance_weighted_loss_is_unbiased(proposal, stratified):
     k, n = 50, 20_000
@@ -91,3 +92,209 @@ def test_state_round_trip_and_bad_settings():
         TimeSampler(5, "adaptive", uniform_mix=0)
     with pytest.raises(ValueError, match="lognormal proposal needs"):
         TimeSampler(5, "lognormal")
+
+
+@pytest.mark.parametrize("proposal", ["default", "lognormal", "adaptive"])
+def test_importance_weights_are_unbiased_for_a_method_with_its_own_non_uniform_distribution(proposal):
+    """iCT's pairs are lognormal, not uniform: the weights p / q keep E[w f] = sum_k p_k f_k for any proposal."""
+    k, n = 40, 20_000
+    target = lognormal_bin_probabilities(torch.logspace(-2, 1.5, k, dtype=torch.float64), 0.5, 1.0)
+    probs = lognormal_bin_probabilities(torch.logspace(-2, 1.5, k, dtype=torch.float64)) if proposal == "lognormal" else None
+    sampler = TimeSampler(k, proposal, True, probs=probs, history=5, target=target)
+    g = torch.Generator().manual_seed(0)
+    if proposal == "adaptive":
+        for _ in range(40):
+            bins, _ = sampler.sample(200, g)
+            sampler.update(bins, _f(bins))
+    truth = float((target * _f(torch.arange(k))).sum())
+    estimates = []
+    for _ in range(20):
+        bins, w = sampler.sample(n // 20, g)
+        estimates.append((w * _f(bins)).mean().item())
+    mean, sd = float(np.mean(estimates)), float(np.std(estimates, ddof=1))
+    assert abs(mean - truth) < 4 * sd / math.sqrt(len(estimates)) + 1e-12, (mean, truth, sd)
+
+
+def test_default_draws_are_the_methods_own_random_streams():
+    """No options: the bins are torch.randint (uniform) or torch.multinomial (a target), the draws the methods made
+    before method.noise, so that seeded runs train exactly as before."""
+    g = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    bins, w = TimeSampler(50).sample(64, g())
+    assert torch.equal(bins, torch.randint(0, 50, (64,), generator=g())) and bool((w == 1).all())
+    p = torch.linspace(1, 2, 10, dtype=torch.float64)
+    bins, _ = TimeSampler(10, target=p).sample(64, g())
+    assert torch.equal(bins, torch.multinomial(p / p.sum(), 64, replacement=True, generator=g()))
+
+
+# ---------------------------------------------------------------- EDM preconditioning
+
+
+def test_edm_scalings_are_karras_table_1_and_round_trip():
+    from distill.models.precondition import edm_denoised, edm_raw_target, edm_scalings
+
+    sd, sigma = 0.5, torch.tensor([0.002, 0.3, 5.0, 80.0], dtype=torch.float64)
+    c_skip, c_out, c_in, c_noise = edm_scalings(sigma, sd)
+    assert torch.allclose(c_skip, sd ** 2 / (sigma ** 2 + sd ** 2))
+    assert torch.allclose(c_out, sigma * sd / (sigma ** 2 + sd ** 2).sqrt())
+    assert torch.allclose(c_in, 1 / (sigma ** 2 + sd ** 2).sqrt()) and torch.allclose(c_noise, 1000 * sigma.log() / 4)
+    # the network's input c_in (x0 + sigma eps) has unit variance for data of std sigma_data
+    g = torch.Generator().manual_seed(0)
+    x0 = sd * torch.randn(4, 100_000, generator=g, dtype=torch.float64)
+    x = x0 + sigma.view(-1, 1) * torch.randn(4, 100_000, generator=g, dtype=torch.float64)
+    assert torch.allclose((c_in.view(-1, 1) * x).std(1), torch.ones(4, dtype=torch.float64), atol=0.01)
+    # round trip: the raw target F* makes the denoiser exactly x0; its variance is 1 too (EDM's effective target)
+    raw = edm_raw_target(x, sigma, x0, sd)
+    assert torch.allclose(edm_denoised(x, sigma, raw, sd), x0, atol=1e-9)
+    assert torch.allclose(raw.std(1), torch.ones(4, dtype=torch.float64), atol=0.01)
+
+
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory):
+    from tests.sd_tiny import write_tiny_sd
+
+    return write_tiny_sd(tmp_path_factory.mktemp("sd") / "pipe")
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_edm_wrapper_presents_the_vp_interface_of_its_prediction_type(tiny_sd, monkeypatch, prediction_type):
+    """An inner network that answers EDM's raw target F* for a known (x0, eps) makes the wrapper return exactly the
+    epsilon / v / x0 of the VP sample x_t = alpha x0 + sigma eps at integer and fractional timesteps: the input
+    scaling c_in, c_noise, the combination c_skip x + c_out F and the conversion are each checked."""
+    from diffusers import DDIMScheduler, UNet2DConditionModel
+
+    from distill.models.precondition import (
+        EDMPreconditionedUNet2DConditionModel,
+        edm_raw_target,
+        edm_scalings,
+    )
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_sd / "unet")
+    schedule = DDIMScheduler.from_pretrained(tiny_sd / "scheduler").config
+    model = EDMPreconditionedUNet2DConditionModel.wrap(unet, schedule, prediction_type, 0.5)
+    g = torch.Generator().manual_seed(3)
+    x0, eps = torch.randn(3, 4, 8, 8, generator=g), torch.randn(3, 4, 8, 8, generator=g)
+    t = torch.tensor([10.0, 500.0, 998.5])
+    abar = torch.tensor(DDIMScheduler.from_config(schedule).alphas_cumprod)
+    log_s = ((1 - abar) / abar).sqrt().log()
+    sigma = torch.stack([torch.lerp(log_s[int(v)], log_s[min(int(v) + 1, 999)], v - int(v)) for v in t]).exp()
+    alpha, s_vp = (1 / (1 + sigma ** 2).sqrt()).view(-1, 1, 1, 1), (sigma / (1 + sigma ** 2).sqrt()).view(-1, 1, 1, 1)
+    x_t = alpha * x0 + s_vp * eps
+    seen = {}
+
+    def oracle(self, sample, timestep, encoder_hidden_states, *args, **kwargs):
+        sig = (timestep.double() / 250).exp()  # c_noise = 250 ln sigma
+        _, _, c_in, _ = edm_scalings(sig, 0.5)
+        x = sample.double() / c_in.view(-1, 1, 1, 1)  # undo c_in: the VE sample x0 + sigma eps
+        seen["sigma"], seen["x"] = sig, x
+        raw = edm_raw_target(x, sig, x0.double(), 0.5).float()
+        return type("Out", (), {"sample": raw})()
+
+    monkeypatch.setattr(UNet2DConditionModel, "forward", oracle)
+    out = model(x_t, t, torch.zeros(3, 8, 32)).sample
+    torch.testing.assert_close(seen["sigma"].float(), sigma, rtol=1e-5, atol=0)
+    torch.testing.assert_close(seen["x"].float(), x0 + sigma.view(-1, 1, 1, 1) * eps, rtol=1e-4, atol=1e-4)
+    want = {"epsilon": eps, "v_prediction": alpha * eps - s_vp * x0, "sample": x0}[prediction_type]
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+
+
+def test_edm_student_exports_and_samples_through_diffusers_default_call(tiny_sd, tmp_path):
+    """An EDM-preconditioned student saved in a pipeline folder loads back as the same function and samples with
+    DiffusionPipeline.from_pretrained(folder)(prompt), no other argument."""
+    from diffusers import DDIMScheduler, DiffusionPipeline, UNet2DConditionModel
+
+    import distill.inference.pipelines  # noqa: F401
+    from distill.models.precondition import EDMPreconditionedUNet2DConditionModel
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_sd)
+    schedule = DDIMScheduler.from_pretrained(tiny_sd / "scheduler").config
+    torch.manual_seed(0)
+    fresh = UNet2DConditionModel.from_config(pipe.unet.config)
+    pipe.unet = EDMPreconditionedUNet2DConditionModel.wrap(fresh, schedule, "epsilon").eval()
+    pipe.save_pretrained(tmp_path / "export")
+    loaded = DiffusionPipeline.from_pretrained(tmp_path / "export")
+    assert type(loaded.unet) is EDMPreconditionedUNet2DConditionModel and loaded.unet.config.edm_sigma_data == 0.5
+    x = torch.randn(2, 4, 8, 8)
+    cond = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.unet(x, torch.tensor([3, 700]), cond).sample,
+                                   pipe.unet(x, torch.tensor([3, 700]), cond).sample)
+    images = loaded("a handwritten digit three").images  # as a user calls it
+    assert len(images) == 1 and images[0].size == (32, 32) and np.asarray(images[0]).std() > 0
+    with pytest.raises(ValueError, match="wraps a UNet2DConditionModel"):
+        EDMPreconditionedUNet2DConditionModel.wrap(loaded.unet, schedule, "epsilon")
+
+
+# ---------------------------------------------------------------- the options in the methods
+
+
+def test_methods_draw_with_the_options_and_feed_the_adaptive_history(tiny_sd):
+    """LCM with antithetic noise, stratified adaptive times: the noise comes in exact pairs, the bins cover the
+    grid's strata, each training loss records its examples, and a validation loss draws plainly (no weights)."""
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.models.students import copy_student
+    from distill.models.teacher import load_teacher
+
+    method = LatentConsistencyDistillation(
+        load_teacher(str(tiny_sd)), copy_student, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_ddim_timesteps=10,
+        noise={"antithetic": True, "stratified": True, "timesteps": "adaptive", "history": 1})
+    g = torch.Generator().manual_seed(0)
+    eps = method.draw_noise(torch.zeros(6, 4, 8, 8), g)
+    assert torch.equal(eps[3:], -eps[:3])
+    bins, w = method.draw_time_bins(10, method.time_sigmas, g)
+    assert sorted(bins.tolist()) == list(range(10)) and w is not None
+    batch = {"pixel_values": torch.rand(10, 1, 32, 32) * 2 - 1, "caption": ["a handwritten digit one"] * 10}
+    assert torch.isfinite(method.loss(batch, g))
+    assert bool((method._time_sampler.counts == 1).all())  # stratified over a uniform proposal: one per bin
+    q = method._time_sampler.probabilities()  # warmed up (history 1): now the adaptive proposal
+    assert not torch.allclose(q, torch.full_like(q, 0.1))  # mixed with 0.1 of p: q >= 0.01
+    assert float(q.min()) >= 0.01 - 1e-12
+    assert torch.isfinite(method.loss(batch, g)) and int(method._time_sampler.counts.sum()) == 20
+    method.eval()
+    bins, w = method.draw_time_bins(10, method.time_sigmas, g)
+    assert w is None and sorted(bins.tolist()) == list(range(10))
+
+
+def test_cli_noise_options_and_edm_student_train_checkpoint_and_export(tiny_sd, tmp_path):
+    """One LCM run with every option (EDM-preconditioned fresh student, antithetic, stratified, adaptive): the
+    checkpoint holds the adaptive history, and the export samples through diffusers' default call."""
+    from diffusers import DiffusionPipeline
+
+    import distill.inference.pipelines  # noqa: F401
+    from distill.models.precondition import EDMPreconditionedUNet2DConditionModel
+    from tests.conftest import run_train
+    from tests.test_consistency import LCM_FAST
+
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={tiny_sd}", *LCM_FAST, "student=fresh",
+                     "method.noise.preconditioning=edm", "method.noise.antithetic=true", "method.noise.stratified=true",
+                     "method.noise.timesteps=adaptive", "method.noise.history=1", "trainer.max_steps=3",
+                     "trainer.val_check_interval=3", "checkpoint.every_n_train_steps=3", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert int(ckpt["time_sampler"]["counts"].sum()) == 3 * 16
+    assert ckpt["hyper_parameters"]["noise"]["preconditioning"] == "edm"
+    pipe = DiffusionPipeline.from_pretrained(run_dir / "export")
+    assert type(pipe.unet) is EDMPreconditionedUNet2DConditionModel
+    images = pipe("a handwritten digit seven").images
+    assert len(images) == 1 and np.asarray(images[0]).std() > 0
+
+
+def test_bad_noise_options_exit_2_before_training(tiny_sd, tmp_path):
+    """On the command line (exit 2, nothing written) and each check of the options' values."""
+    from distill.diffusion.noise import NoiseOptions
+    from tests.conftest import run_train
+
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={tiny_sd}",
+                     "method.noise.preconditioning=edm", "logger=csv", f"hydra.run.dir={run_dir}", timeout=120)
+    assert proc.returncode == 2 and "applies to a freshly initialised student (student=fresh)" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert not (run_dir / "checkpoints").exists()
+    for options, needle in [({"timesteps": "sobol"}, "method.noise.timesteps='sobol'; use one of ['default', 'lognormal'"),
+                            ({"preconditioning": "vp"}, "method.noise.preconditioning='vp'"),
+                            ({"uniform_mix": 0.0}, "method.noise.uniform_mix=0.0 must be in (0, 1]"),
+                            ({"history": 0}, "method.noise.history=0 must be >= 1"),
+                            ({"p_std": -1.0}, "method.noise.p_std=-1.0"),
+                            ({"antithetc": True}, "method.noise has no option(s) ['antithetc']")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            NoiseOptions.of(options)

@@ -109,8 +109,10 @@ def test_resume_mid_epoch_and_at_an_epoch_boundary_is_bit_identical(straight, tm
     _assert_same_run(straight, run_dir)
 
 
-# the LCM run in the default suite; the debug run and LCM with accumulation (about 2 minutes more) are slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "lcm" else n for n in RUNS])
+# slow (about 3 minutes for the three runs): the default suite covers resume by the mid-epoch / epoch-boundary and
+# preemption tests
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNS)
 def test_sigkill_in_the_middle_of_a_step_then_resume(straight_runs, tmp_path, name):
     """debug: the EMA callback; lcm: the module's EMA target (updated after each optimizer step, so a checkpoint
     holds the target of its own step); lcm_accumulate: the same with 2 micro-batches per optimizer step."""

@@ -70,6 +70,8 @@ def _field_type(hint: Any, enum_name: str) -> Any:
         return Any if inner is Any else inner | None
     if origin is typing.Literal:
         return choice(enum_name, args) if all(isinstance(a, str) for a in args) else Any
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):  # a group of options: a nested schema
+        return hint
     if hint in (int, float, bool, str, bytes, Path) or (isinstance(hint, type) and issubclass(hint, enum.Enum)):
         return hint
     if origin in (list, tuple, collections.abc.Sequence, collections.abc.MutableSequence):
@@ -88,6 +90,8 @@ def _field(value: Any, kind: Any, where: str) -> dataclasses.Field:
         return dataclasses.field(default_factory=lambda items=tuple(value): list(items))
     if isinstance(value, dict):
         return dataclasses.field(default_factory=lambda items=value: dict(items))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.field(default_factory=lambda v=value: dataclasses.replace(v))
     if isinstance(kind, type) and issubclass(kind, Choice) and isinstance(value, str):
         return dataclasses.field(default=kind(value))
     if value is None or isinstance(value, int | float | bool | str | bytes | enum.Enum):

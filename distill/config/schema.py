@@ -20,7 +20,6 @@ from distill.config.builds import builds, choice
 from distill.diffusion.consistency import CONSISTENCY_LOSSES
 from distill.diffusion.losses import WEIGHTINGS
 from distill.diffusion.parametrization import PREDICTION_TYPES
-from distill.diffusion.timesteps import TIMESTEP_SAMPLERS
 from distill.inference.schedulers import SCHEDULERS
 from distill.models.moe import SPLITS
 from distill.models.unet import UNET_SIZES
@@ -29,7 +28,6 @@ from distill.serve.engine import MODES
 # ---------------------------------------------------------------- fixed sets of choices
 
 PredictionType = choice("PredictionType", PREDICTION_TYPES)
-TimestepSampler = choice("TimestepSampler", TIMESTEP_SAMPLERS)
 LossWeighting = choice("LossWeighting", WEIGHTINGS)
 ConsistencyLoss = choice("ConsistencyLoss", CONSISTENCY_LOSSES)
 ReconLoss = choice("ReconLoss", RECON_LOSSES)
@@ -53,7 +51,7 @@ _BUILT = ("student", "sampling")
 _SPEED = "distill.methods.base.DistillMethod"  # the training-speed switches every method takes (**speed)
 DiffusionMethodConfig = builds(
     "DiffusionMethodConfig", "distill.methods.diffusion.DiffusionTraining", exclude=_BUILT, kwargs_of=_SPEED,
-    choices={"prediction_type": PredictionType, "timestep_sampler": TimestepSampler, "loss_weighting": LossWeighting})
+    choices={"prediction_type": PredictionType, "loss_weighting": LossWeighting})
 CLIPMethodConfig = builds("CLIPMethodConfig", "distill.assets.clip.CLIPTraining", exclude=_BUILT)
 ClassifierMethodConfig = builds("ClassifierMethodConfig", "distill.assets.classifier.ClassifierTraining",
                                 exclude=_BUILT)

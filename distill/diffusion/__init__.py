@@ -6,11 +6,9 @@ from distill.diffusion.losses import diffusion_loss, snr_weight
 from distill.diffusion.parametrization import PREDICTION_TYPES, prediction_target, to_x0_eps
 from distill.diffusion.schedules import add_noise, alpha_sigma, snr
 from distill.diffusion.solvers import ddim_step
-from distill.diffusion.timesteps import TIMESTEP_SAMPLERS, sample_timesteps
 
 __all__ = [
     "PREDICTION_TYPES",
-    "TIMESTEP_SAMPLERS",
     "add_noise",
     "alpha_sigma",
     "cfg",
@@ -19,7 +17,6 @@ __all__ = [
     "guidance_condition",
     "guidance_scale_embedding",
     "prediction_target",
-    "sample_timesteps",
     "snr",
     "snr_weight",
     "to_x0_eps",

@@ -32,22 +32,25 @@ def ict_huber_c(numel: int) -> float:
     return 0.00054 * math.sqrt(numel)
 
 
-def pseudo_huber(pred: torch.Tensor, target: torch.Tensor, c: float) -> torch.Tensor:
+def pseudo_huber(pred: torch.Tensor, target: torch.Tensor, c: float, reduce: bool = True) -> torch.Tensor:
     """sqrt(||x - y||_2^2 + c^2) - c per example, averaged over the batch (Song & Dhariwal 2023, iCT sec. 3.3)."""
     sq_norm = (pred.float() - target.float()).pow(2).flatten(1).sum(1)  # (N,)
-    return (sq_norm + c**2).sqrt().sub(c).mean()
+    per_example = (sq_norm + c**2).sqrt().sub(c)
+    return per_example.mean() if reduce else per_example
 
 
-def pseudo_huber_elementwise(pred: torch.Tensor, target: torch.Tensor, c: float) -> torch.Tensor:
+def pseudo_huber_elementwise(pred: torch.Tensor, target: torch.Tensor, c: float, reduce: bool = True) -> torch.Tensor:
     """mean over elements of sqrt((x - y)^2 + c^2) - c (diffusers' examples/consistency_distillation/
     train_lcm_distill_*.py, --loss_type=huber, --huber_c=0.001)."""
-    return ((pred.float() - target.float()).pow(2) + c**2).sqrt().sub(c).mean()
+    per_example = ((pred.float() - target.float()).pow(2) + c**2).sqrt().sub(c).flatten(1).mean(1)
+    return per_example.mean() if reduce else per_example
 
 
-def scaled_huber(pred: torch.Tensor, target: torch.Tensor, delta: float) -> torch.Tensor:
+def scaled_huber(pred: torch.Tensor, target: torch.Tensor, delta: float, reduce: bool = True) -> torch.Tensor:
     """Huber(x - y; delta) / delta averaged over elements (Huber 1964): |d| - delta/2 for |d| > delta, d^2 / (2 delta)
     below; the division keeps the magnitude of L1 (its limit for |d| >> delta) however small delta is."""
-    return F.huber_loss(pred.float(), target.float(), delta=delta) / delta
+    per_example = F.huber_loss(pred.float(), target.float(), delta=delta, reduction="none").flatten(1).mean(1) / delta
+    return per_example.mean() if reduce else per_example
 
 
 def check_consistency_loss(kind: str, huber_c: float | None) -> None:
@@ -63,18 +66,21 @@ def check_consistency_loss(kind: str, huber_c: float | None) -> None:
         raise ValueError(f"method.huber_c={huber_c} must be > 0 (or null for iCT's c with method.loss_type=pseudo_huber)")
 
 
-def consistency_loss(pred: torch.Tensor, target: torch.Tensor, kind: str, huber_c: float | None) -> torch.Tensor:
+def consistency_loss(pred: torch.Tensor, target: torch.Tensor, kind: str, huber_c: float | None,
+                     reduce: bool = True) -> torch.Tensor:
     """Distance d(f_student, f_target) of ``kind`` in CONSISTENCY_LOSSES: ``l2`` mean squared error, ``huber``
     (``scaled_huber``, delta = huber_c), ``pseudo_huber`` (per example, iCT; huber_c=None: iCT's c for this
-    example size) or ``pseudo_huber_elementwise`` (diffusers' LCM scripts)."""
+    example size) or ``pseudo_huber_elementwise`` (diffusers' LCM scripts); ``reduce=False``: the (N,) per-example
+    terms whose mean is the loss."""
     check_consistency_loss(kind, huber_c)
     if kind == "l2":
-        return F.mse_loss(pred.float(), target.float())
+        per_example = (pred.float() - target.float()).pow(2).flatten(1).mean(1)
+        return per_example.mean() if reduce else per_example
     if kind == "huber":
-        return scaled_huber(pred, target, huber_c)
+        return scaled_huber(pred, target, huber_c, reduce)
     if kind == "pseudo_huber_elementwise":
-        return pseudo_huber_elementwise(pred, target, huber_c)
-    return pseudo_huber(pred, target, ict_huber_c(pred[0].numel()) if huber_c is None else huber_c)
+        return pseudo_huber_elementwise(pred, target, huber_c, reduce)
+    return pseudo_huber(pred, target, ict_huber_c(pred[0].numel()) if huber_c is None else huber_c, reduce)
 
 
 def ddim_timesteps(num_train_timesteps: int, num_ddim_timesteps: int) -> torch.Tensor:

@@ -85,14 +85,16 @@ def lognormal_sigmas(n: int, p_mean: float = -1.1, p_std: float = 2.0, generator
 
 
 def truncated_lognormal_sigmas(n: int, lo: float, hi: float, p_mean: float = -1.1, p_std: float = 2.0,
-                               generator: torch.Generator | None = None) -> torch.Tensor:
+                               generator: torch.Generator | None = None, unit: torch.Tensor | None = None) -> torch.Tensor:
     """t = exp(P_mean + P_std z) conditioned on lo <= t <= hi (inverse CDF of the truncated normal in log t): the
-    lognormal restricted to a model's noise range, with no mass piled on the ends as clamping would put there."""
+    lognormal restricted to a model's noise range, with no mass piled on the ends as clamping would put there.
+    ``unit``: the (n,) points of [0, 1) to map (e.g. stratified ones); default i.i.d. uniform."""
     if not 0 < lo < hi:
         raise ValueError(f"noise range [{lo}, {hi}]: need 0 < lo < hi")
     std_normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     a, b = (std_normal.cdf(torch.tensor((math.log(v) - p_mean) / p_std, dtype=torch.float64)) for v in (lo, hi))
-    u = a + (b - a) * torch.rand(n, generator=generator, dtype=torch.float64)
+    unit = torch.rand(n, generator=generator, dtype=torch.float64) if unit is None else unit.double()
+    u = a + (b - a) * unit
     z = std_normal.icdf(u.clamp(1e-12, 1 - 1e-12))
     return (p_mean + p_std * z).exp().clamp(lo, hi)
 

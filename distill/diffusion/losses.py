@@ -32,9 +32,10 @@ def snr_weight(
     return w_x0
 
 
-def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Weighted mean squared error: mean_n w_n * mean_{c,h,w} (pred - target)^2."""
+def diffusion_loss(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                   reduce: bool = True) -> torch.Tensor:
+    """Weighted mean squared error: mean_n w_n * mean_{c,h,w} (pred - target)^2 (``reduce=False``: the (N,) terms)."""
     per_example = (pred.float() - target.float()).pow(2).flatten(1).mean(1)  # (N,)
     if weight is not None:
         per_example = per_example * weight.flatten()
-    return per_example.mean()
+    return per_example.mean() if reduce else per_example

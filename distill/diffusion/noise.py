@@ -2,19 +2,74 @@
 
 - Antithetic noise: the batch's noise comes in pairs (eps, -eps), so that terms odd in eps cancel within a pair.
 - Stratified (low-discrepancy) indices: one shared uniform offset, the batch spread evenly over the bins.
-- Importance sampling of the time bin: a proposal q over the K bins (lognormal in noise level, or adaptive:
-  q proportional to sqrt(E[loss^2]) per bin from a running history, the variance-minimising choice for a
-  non-negative loss, Nichol & Dhariwal 2021, sec. 3.3), mixed with the uniform distribution; each example's loss
-  is multiplied by (1/K) / q(bin), so that the batch loss stays an unbiased estimate of the uniform-time loss.
+- Importance sampling of the time bin: each method defines a target distribution p over its K time bins (uniform
+  over its grid, or iCT's lognormal pairs); a proposal q (lognormal in noise level, or adaptive: q proportional to
+  p sqrt(E[loss^2]) per bin from a running history, the variance-minimising choice for a non-negative loss,
+  Nichol & Dhariwal 2021, sec. 3.3), mixed with p, draws the bins, and each example's loss is multiplied by
+  p(bin) / q(bin), so that the batch loss stays an unbiased estimate of the method's own loss.
+- EDM preconditioning (Karras et al. 2022, table 1) as a student wrapper: ``distill.models.precondition``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-PROPOSALS = ("uniform", "lognormal", "adaptive")
+PROPOSALS = ("default", "lognormal", "adaptive")
+PRECONDITIONINGS = ("none", "edm")
+
+
+@dataclasses.dataclass
+class NoiseOptions:
+    """``method.noise``: how a training step draws its noise and times (the same options for every method).
+
+    ``antithetic``: the noise in (eps, -eps) pairs. ``stratified``: the batch's times at stratified quantiles of
+    their distribution. ``timesteps``: the proposal of the time bins (``default``: the method's own distribution,
+    weights 1; ``lognormal``: log sigma ~ N(p_mean, p_std^2) over the bins' noise levels; ``adaptive``: from the
+    last ``history`` losses of each bin), mixed with the method's distribution by ``uniform_mix`` and re-weighted
+    to stay unbiased. ``preconditioning``: ``edm`` wraps a freshly initialised student in EDM's c_in, c_out,
+    c_skip and c_noise (``sigma_data``)."""
+
+    antithetic: bool = False
+    stratified: bool = False
+    timesteps: str = "default"
+    p_mean: float = -1.1
+    p_std: float = 2.0
+    history: int = 10
+    uniform_mix: float = 0.1
+    preconditioning: str = "none"
+    sigma_data: float = 0.5
+
+    def __post_init__(self):
+        if self.timesteps not in PROPOSALS:
+            raise ValueError(f"method.noise.timesteps={self.timesteps!r}; use one of {list(PROPOSALS)}")
+        if self.preconditioning not in PRECONDITIONINGS:
+            raise ValueError(f"method.noise.preconditioning={self.preconditioning!r}; use one of {list(PRECONDITIONINGS)}")
+        if self.p_std <= 0 or self.sigma_data <= 0:
+            raise ValueError(f"method.noise.p_std={self.p_std}, method.noise.sigma_data={self.sigma_data}: both must be > 0")
+        if self.history < 1:
+            raise ValueError(f"method.noise.history={self.history} must be >= 1")
+        if not 0 < self.uniform_mix <= 1:
+            raise ValueError(f"method.noise.uniform_mix={self.uniform_mix} must be in (0, 1]")
+
+    @classmethod
+    def of(cls, value: NoiseOptions | dict | None) -> NoiseOptions:
+        """The options from a config mapping (plain strings), an instance, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"method.noise has no option(s) {sorted(unknown)}; use {[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**{k: (v.value if hasattr(v, "value") else v) for k, v in dict(value).items()})
+
+    @property
+    def plain(self) -> bool:
+        """Whether the options draw exactly as the methods did without them (i.i.d. noise and times)."""
+        return not (self.antithetic or self.stratified) and self.timesteps == "default"
 
 
 def antithetic_noise(shape: tuple[int, ...], generator: torch.Generator | None = None,
@@ -27,8 +82,9 @@ def antithetic_noise(shape: tuple[int, ...], generator: torch.Generator | None =
 
 
 def stratified_unit(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(n,) points of [0, 1): (u + i / n) mod 1 with one shared u ~ U[0, 1) (Kingma et al. 2021, app. I.1)."""
-    u = torch.rand((), generator=generator, dtype=torch.float64)
+    """(n,) points of [0, 1): (u + i / n) mod 1 with one shared u ~ U[0, 1) (Kingma et al. 2021, app. I.1), in
+    float64 from a float32 u (the draw ``distill.diffusion.sample_timesteps`` makes)."""
+    u = torch.rand((), generator=generator).double()
     return torch.remainder(u + torch.arange(n, dtype=torch.float64) / n, 1.0)
 
 
@@ -45,14 +101,17 @@ def lognormal_bin_probabilities(sigmas: torch.Tensor, p_mean: float = -1.1, p_st
 class TimeSampler:
     """Draws time bins in {0, ..., K-1} with their importance weights; ``update`` feeds the adaptive proposal.
 
-    ``proposal``: ``uniform`` (weights 1), ``lognormal`` (fixed ``probs``, e.g. ``lognormal_bin_probabilities``)
-    or ``adaptive`` (uniform until every bin has ``history`` losses, then sqrt(E[loss^2]) per bin); the proposal
-    used is (1 - uniform_mix) q + uniform_mix / K, which bounds the weights by 1 / uniform_mix.
+    ``target``: the method's own distribution p over the bins (default uniform). ``proposal``: ``default``
+    (q = p, weights 1; uniform draws are ``torch.randint`` and a non-uniform p ``torch.multinomial``, the draws the
+    methods make without options), ``lognormal`` (fixed ``probs``, e.g. ``lognormal_bin_probabilities``) or
+    ``adaptive`` (p until every bin has ``history`` losses, then p sqrt(E[loss^2]) per bin); the proposal used
+    is (1 - uniform_mix) q + uniform_mix p, which bounds the weights p / q by 1 / uniform_mix.
     ``stratified`` draws the proposal's quantiles at stratified points instead of independently.
     """
 
-    def __init__(self, num_bins: int, proposal: str = "uniform", stratified: bool = False,
-                 probs: torch.Tensor | None = None, history: int = 10, uniform_mix: float = 0.1):
+    def __init__(self, num_bins: int, proposal: str = "default", stratified: bool = False,
+                 probs: torch.Tensor | None = None, history: int = 10, uniform_mix: float = 0.1,
+                 target: torch.Tensor | None = None):
         if proposal not in PROPOSALS:
             raise ValueError(f"method.noise.timesteps={proposal!r}; use one of {list(PROPOSALS)}")
         if num_bins < 1:
@@ -61,38 +120,51 @@ class TimeSampler:
             raise ValueError(f"method.noise.uniform_mix={uniform_mix} must be in (0, 1]")
         if proposal == "lognormal" and (probs is None or probs.shape != (num_bins,)):
             raise ValueError("a lognormal proposal needs the probability of each of the bins")
+        if target is not None and (target.shape != (num_bins,) or bool((target < 0).any()) or float(target.sum()) <= 0):
+            raise ValueError(f"the target distribution needs {num_bins} non-negative probabilities")
         if history < 1:
             raise ValueError(f"method.noise.history={history} must be >= 1")
         self.num_bins, self.proposal, self.stratified = num_bins, proposal, stratified
         self.uniform_mix, self.history = uniform_mix, history
         self.fixed = None if probs is None else (probs.double() / probs.double().sum())
+        self.target = None if target is None else target.double() / target.double().sum()
         self.losses = torch.zeros(num_bins, history, dtype=torch.float64)  # squared losses, ring buffer per bin
         self.counts = torch.zeros(num_bins, dtype=torch.long)
 
+    def target_probabilities(self) -> torch.Tensor:
+        if self.target is not None:
+            return self.target
+        return torch.full((self.num_bins,), 1.0 / self.num_bins, dtype=torch.float64)
+
     def probabilities(self) -> torch.Tensor:
-        k = self.num_bins
-        uniform = torch.full((k,), 1.0 / k, dtype=torch.float64)
-        if self.proposal == "uniform":
-            return uniform
+        """The proposal q the next draw uses."""
+        p = self.target_probabilities()
+        if self.proposal == "default":
+            return p
         if self.proposal == "lognormal":
             q = self.fixed
-        elif bool((self.counts < self.history).any()):
-            return uniform  # adaptive: not warmed up yet
+        elif bool((self.counts[p > 0] < self.history).any()):
+            return p  # adaptive: not warmed up yet
         else:
-            q = self.losses.mean(1).sqrt()
-            q = q / q.sum() if q.sum() > 0 else uniform
-        return (1 - self.uniform_mix) * q + self.uniform_mix * uniform
+            q = p * self.losses.mean(1).sqrt()
+            q = q / q.sum() if q.sum() > 0 else p
+        return (1 - self.uniform_mix) * q + self.uniform_mix * p
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bins, weights): ``n`` bins from the proposal and (1/K) / q(bin) for each (ones when q is uniform)."""
+        """(bins, weights): ``n`` bins from the proposal and p(bin) / q(bin) for each (ones when q = p)."""
+        k = self.num_bins
+        if self.proposal == "default" and not self.stratified:
+            if self.target is None:
+                return torch.randint(0, k, (n,), generator=generator), torch.ones(n, dtype=torch.float64)
+            bins = torch.multinomial(self.target, n, replacement=True, generator=generator)
+            return bins, torch.ones(n, dtype=torch.float64)
+        u = stratified_unit(n, generator) if self.stratified else torch.rand(n, generator=generator, dtype=torch.float64)
+        if self.proposal == "default" and self.target is None:  # floor(K u): the stratified timesteps as before
+            return (u * k).long().clamp(max=k - 1), torch.ones(n, dtype=torch.float64)
         q = self.probabilities()
-        if self.stratified:
-            u = stratified_unit(n, generator)
-        else:
-            u = torch.rand(n, generator=generator, dtype=torch.float64)
         cdf = q.cumsum(0)
-        bins = torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=self.num_bins - 1)
-        return bins, (1.0 / self.num_bins) / q[bins]
+        bins = torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=k - 1)
+        return bins, self.target_probabilities()[bins] / q[bins]
 
     @torch.no_grad()
     def update(self, bins: torch.Tensor, losses: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ import distill.compress.lowrank  # noqa: F401
 import distill.compress.prune  # noqa: F401
 import distill.inference.schedulers  # noqa: F401
 import distill.models.moe  # noqa: F401
+import distill.models.precondition  # noqa: F401
 from distill.inference.sampling import sample
 
 

@@ -11,6 +11,13 @@ from typing import Literal
 import lightning as L
 import torch
 
+from distill.diffusion.noise import (
+    NoiseOptions,
+    TimeSampler,
+    antithetic_noise,
+    lognormal_bin_probabilities,
+)
+
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
     """Linear warm-up to the base LR, then cosine decay to ``min_ratio`` of it at ``total_steps``."""
@@ -63,6 +70,7 @@ def pipeline_images(pipe, captions: list[str], generator: torch.Generator, num_i
 
 
 FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_NOISE = NoiseOptions()  # method.noise's defaults (NoiseOptions); never mutated
 
 
 def _check_compile_supported(device: torch.device | None = None) -> None:
@@ -99,12 +107,20 @@ class DistillMethod(L.LightningModule):
     encoded once into ``latent_cache_dir`` (distill.data.latents) instead of encoding every batch; a streamed
     training set (webdataset) cannot be cached and is encoded in the data workers instead.
     The student's own precision is Lightning's ``trainer.precision`` (e.g. bf16-mixed).
+
+    ``noise`` (``method.noise``, ``distill.diffusion.noise.NoiseOptions``): how each step draws its noise
+    (``draw_noise``: antithetic pairs) and its times (``draw_time_bins``: stratified, importance-sampled with
+    unbiasing weights); a method passes its time grid's noise levels and weights its per-example losses.
     """
 
     def __init__(self, optimizer: Callable, lr_scheduler: Callable | None = None, *, compile: bool = False,
                  frozen_dtype: Literal["bf16", "fp16"] | None = None, channels_last: bool = False,
-                 latent_cache: bool = False, latent_cache_dir: str = "~/.cache/distill/latents"):
+                 latent_cache: bool = False, latent_cache_dir: str = "~/.cache/distill/latents",
+                 noise: NoiseOptions = DEFAULT_NOISE):
         super().__init__()
+        self.noise = NoiseOptions.of(noise)
+        self._time_sampler: TimeSampler | None = None
+        self._time_sampler_key: tuple | None = None
         if frozen_dtype is not None and frozen_dtype not in FROZEN_DTYPES:
             raise ValueError(f"method.frozen_dtype={frozen_dtype!r}; use one of {sorted(FROZEN_DTYPES)} or null (float32)")
         if compile:
@@ -114,6 +130,70 @@ class DistillMethod(L.LightningModule):
         self.compile_networks, self.frozen_dtype, self.channels_last = compile, frozen_dtype, channels_last
         self.latent_cache, self.latent_cache_dir = latent_cache, latent_cache_dir
         self._frozen_autocast_dtype = FROZEN_DTYPES.get(frozen_dtype)
+
+    # ------------------------------------------------------------------ noise and time sampling (method.noise)
+
+    def draw_noise(self, like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Standard normal noise shaped and placed as ``like``: i.i.d., or antithetic pairs (eps, -eps)."""
+        if self.noise.antithetic:
+            return antithetic_noise(tuple(like.shape), generator).to(like)
+        return torch.randn(like.shape, generator=generator).to(like)
+
+    def time_sampler(self, sigmas: torch.Tensor, target: torch.Tensor | None = None) -> TimeSampler:
+        """The sampler of the method's K time bins whose noise levels (ascending, sigma = sqrt((1 - abar) / abar))
+        are ``sigmas`` and whose own distribution is ``target`` (uniform when None); rebuilt, its history
+        cleared, when the grid changes (a progressive round, iCT's curriculum)."""
+        key = (len(sigmas), None if target is None else tuple(target.double().tolist()))
+        if self._time_sampler is None or self._time_sampler_key != key:
+            o = self.noise
+            probs = lognormal_bin_probabilities(sigmas.detach().double().cpu(), o.p_mean, o.p_std) \
+                if o.timesteps == "lognormal" else None
+            sampler = TimeSampler(len(sigmas), o.timesteps, o.stratified, probs=probs, history=o.history,
+                                  uniform_mix=o.uniform_mix, target=None if target is None else target.cpu())
+            pending = getattr(self, "_pending_time_sampler_state", None)
+            if pending is not None and pending["counts"].shape == sampler.counts.shape:
+                sampler.load_state_dict(pending)  # resumed: the history the checkpoint holds
+            self._pending_time_sampler_state = None
+            self._time_sampler, self._time_sampler_key = sampler, key
+        return self._time_sampler
+
+    def draw_time_bins(self, n: int, sigmas: torch.Tensor, generator: torch.Generator | None = None,
+                       target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(bins, weights) for ``n`` examples over the bins of noise levels ``sigmas`` (see ``time_sampler``):
+        bins on the CPU; weights p / q in float32, or None when every weight is 1 (no importance sampling).
+        Outside training (a validation loss) the bins come from the method's own distribution, unweighted."""
+        if not self.training:
+            target = None if target is None else target.cpu()
+            return TimeSampler(len(sigmas), "default", self.noise.stratified, target=target).sample(n, generator)[0], None
+        bins, weights = self.time_sampler(sigmas, target).sample(n, generator)
+        return bins, (None if self.noise.timesteps == "default" else weights.float())
+
+    def record_time_losses(self, bins: torch.Tensor, losses: torch.Tensor) -> None:
+        """Feed the adaptive proposal each example's unweighted loss (all ranks' under data parallelism, so that
+        every rank draws from the same proposal)."""
+        if self.noise.timesteps != "adaptive" or self._time_sampler is None:
+            return
+        bins, losses = bins.to(losses.device), losses.detach().float()
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1:
+            bins, losses = self.all_gather(bins).flatten(), self.all_gather(losses).flatten()
+        self._time_sampler.update(bins.cpu(), losses.cpu())
+
+    def weighted_mean(self, per_example: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The batch loss: the mean of the per-example losses times their importance weights (if any)."""
+        if weights is not None:
+            per_example = per_example * weights.to(per_example)
+        return per_example.mean()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.noise.timesteps == "adaptive" and self._time_sampler is not None:
+            checkpoint["time_sampler"] = self._time_sampler.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("time_sampler")
+        if state is not None and self.noise.timesteps == "adaptive":
+            self._pending_time_sampler_state = state  # the grid is known at the first draw
+            self._time_sampler = None
 
     # ------------------------------------------------------------------ speed switches
 

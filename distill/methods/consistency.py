@@ -15,6 +15,7 @@ from distill.diffusion.consistency import (
     consistency_output,
     ddim_timesteps,
 )
+from distill.diffusion.consistency_training import vp_sigmas
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
 from distill.models.teacher import Teacher
@@ -62,6 +63,8 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         self.skip = T // num_ddim_timesteps
         self.register_buffer("solver_timesteps", ddim_timesteps(T, num_ddim_timesteps), persistent=False)
         self.register_buffer("alphas_cumprod", teacher.scheduler.alphas_cumprod.clone().float(), persistent=False)
+        sigmas = vp_sigmas(teacher.scheduler.alphas_cumprod)[self.solver_timesteps]
+        self.register_buffer("time_sigmas", sigmas.float(), persistent=False)  # noise level of each grid point
 
     method_name = "consistency"
 
@@ -96,15 +99,15 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         x0 = self.latents(batch, generator)  # (N, 4, h, w)
         n, device = x0.shape[0], x0.device
-        index = torch.randint(0, self.num_ddim_timesteps, (n,), generator=generator).to(device)
-        t = self.solver_timesteps[index]  # t_n
+        bins, iw = self.draw_time_bins(n, self.time_sigmas, generator)
+        t = self.solver_timesteps[bins.to(device)]  # t_n
         t_prev = (t - self.skip).clamp(min=0)  # t_{n-k}
         w = (self.guidance_scale_min - 1) + (self.guidance_scale_max - self.guidance_scale_min) * torch.rand(n, generator=generator)
         w = w.to(device)  # LCM's w = cfg scale - 1
         w_kwargs = guidance_condition(w, self.w_dim, x0)
         cond, uncond = self.text_conditions(batch, n, device)
 
-        eps = torch.randn(x0.shape, generator=generator).to(x0)
+        eps = self.draw_noise(x0, generator)
         alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x0.ndim)
         x_t = add_noise(x0, eps, alpha, sigma)
         f_student = self._consistency_fn(self.student, x_t, t, cond, w_kwargs)
@@ -117,7 +120,10 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
             # f_student - f_target must compare like with like; the student's own routing record trains
             with no_routing_record(target):
                 f_target = self._consistency_fn(target, x_prev, t_prev, cond, w_kwargs)
-        return consistency_loss(f_student, f_target, self.loss_type, self.huber_c)
+        per_example = consistency_loss(f_student, f_target, self.loss_type, self.huber_c, reduce=False)
+        if self.training:
+            self.record_time_losses(bins, per_example)
+        return self.weighted_mean(per_example, iw)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         """The optimizer step, then the target's EMA update: once per optimizer step (not per micro-batch under

@@ -25,6 +25,7 @@ from torch import nn
 from distill.diffusion import consistency_training as ct
 from distill.diffusion import to_x0_eps
 from distill.diffusion.consistency import boundary_scalings, consistency_output, ict_huber_c
+from distill.diffusion.noise import stratified_unit
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
 from distill.models.teacher import Teacher
@@ -81,6 +82,13 @@ class ConsistencyTraining(TeacherStudentDistillation):
         if self.is_lora and variant == "ict":
             raise ValueError("method.variant=ict trains a freshly initialised network (student=fresh); a LoRA student "
                              "keeps the teacher's weights: use method.variant=ect")
+        if variant == "ect" and self.noise.timesteps != "default":
+            raise ValueError(f"method.noise.timesteps={self.noise.timesteps}: ECT draws t from its own continuous "
+                             "lognormal (no time bins to re-weight); use method.noise.stratified=true or "
+                             "method.variant=ict")
+        if self.noise.preconditioning != "none":
+            raise ValueError(f"method.noise.preconditioning={self.noise.preconditioning}: consistency training has its "
+                             "own parametrisation (iCT: EDM's; ECT: the teacher's); set it to none")
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
         self.variant, self.p_mean, self.p_std, self.sigma_data = variant, p_mean, p_std, sigma_data
         self.sigma_min, self.sigma_max, self.rho, self.s0, self.s1 = sigma_min, sigma_max, rho, s0, s1
@@ -123,21 +131,23 @@ class ConsistencyTraining(TeacherStudentDistillation):
                              "method.curriculum_steps")
         return total
 
-    def ict_pairs(self, n: int, step: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sigma_i, sigma_{i+1}) for n examples: N(step) Karras levels, pairs drawn lognormally."""
+    def ict_pairs(self, n: int, step: int, generator: torch.Generator | None = None):
+        """(sigma_i, sigma_{i+1}, i, importance weights or None) for n examples: N(step) Karras levels, pairs drawn
+        lognormally (through ``method.noise``: stratified, or from a proposal re-weighted to the lognormal)."""
         sigmas = ct.karras_sigmas(ct.ict_num_scales(step, self._curriculum_total(), self.s0, self.s1),
                                   self.sigma_min, self.sigma_max, self.rho)
         p = ct.lognormal_pair_probabilities(sigmas, self.p_mean, self.p_std)
-        i = torch.multinomial(p, n, replacement=True, generator=generator)
-        return sigmas[i], sigmas[i + 1]
+        i, iw = self.draw_time_bins(n, sigmas[:-1], generator, target=p)
+        return sigmas[i], sigmas[i + 1], i, iw
 
-    def ect_pairs(self, n: int, step: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(r, t) for n examples: t lognormal truncated to the teacher's noise range above its first timestep (at
-        timestep 0 LCM's c_out is 0: the network's output would drop out, so a clamped draw would train nothing),
-        r = ECT's mapping of t."""
+    def ect_pairs(self, n: int, step: int, generator: torch.Generator | None = None):
+        """(r, t, None, None) for n examples: t lognormal truncated to the teacher's noise range above its first
+        timestep (at timestep 0 LCM's c_out is 0: the network's output would drop out, so a clamped draw would train
+        nothing), at stratified quantiles with ``method.noise.stratified``; r = ECT's mapping of t."""
+        unit = stratified_unit(n, generator) if self.noise.stratified else None
         t = ct.truncated_lognormal_sigmas(n, float(self.vp_sigmas[1]), float(self.vp_sigmas[-1]), self.p_mean,
-                                          self.p_std, generator)
-        return ct.ect_r(t, ct.ect_stage(step, self.double_every), self.q, self.k, self.b), t
+                                          self.p_std, generator, unit=unit)
+        return ct.ect_r(t, ct.ect_stage(step, self.double_every), self.q, self.k, self.b), t, None, None
 
     # ------------------------------------------------------------------ objective
 
@@ -146,9 +156,10 @@ class ConsistencyTraining(TeacherStudentDistillation):
         n, device = x0.shape[0], x0.device
         step = self.global_step if self._trainer is not None else 0
         pairs = self.ict_pairs if self.variant == "ict" else self.ect_pairs
-        r, t = (s.to(device) for s in pairs(n, step, generator))
+        r, t, bins, iw = pairs(n, step, generator)
+        r, t = r.to(device), t.to(device)
         cond, _ = self.text_conditions(batch, n, device)
-        eps = torch.randn(x0.shape, generator=generator).to(x0)
+        eps = self.draw_noise(x0, generator)
         shape = (-1,) + (1,) * (x0.ndim - 1)
         f_t = self._consistency_fn(self.student, x0 + t.to(x0).view(shape) * eps, t, cond)
         with torch.no_grad(), no_routing_record(self.student):  # the same weights under stop-gradient
@@ -165,7 +176,10 @@ class ConsistencyTraining(TeacherStudentDistillation):
         # per-example pseudo-Huber distance sqrt(||.||^2 + c^2) - c (iCT: c = 0.00054 sqrt(d); ECT: c = 0, the norm)
         c = (self.huber_c if self.huber_c is not None else ict_huber_c(x0[0].numel())) if self.variant == "ict" \
             else self.ect_c
-        return ct.ect_loss(f_t, f_r, t, r, c).mean()
+        per_example = ct.ect_loss(f_t, f_r, t, r, c)
+        if bins is not None and self.training:
+            self.record_time_losses(bins, per_example)
+        return self.weighted_mean(per_example, iw)
 
     # ------------------------------------------------------------------ sampling and export
 

@@ -14,10 +14,10 @@ from distill.diffusion import (
     alpha_sigma,
     diffusion_loss,
     prediction_target,
-    sample_timesteps,
     snr,
     snr_weight,
 )
+from distill.diffusion.consistency_training import vp_sigmas
 from distill.inference.schedulers import make_scheduler, scheduler_options
 from distill.methods.base import (
     DistillMethod,
@@ -44,7 +44,6 @@ class DiffusionTraining(DistillMethod):
         lr_scheduler: Callable | None = None,
         prediction_type: str = "epsilon",
         cond_dropout: float = 0.1,
-        timestep_sampler: str = "stratified",
         loss_weighting: str = "min_snr",
         snr_gamma: float = 5.0,
         sampling: dict | None = None,
@@ -61,17 +60,22 @@ class DiffusionTraining(DistillMethod):
                 f"noise_scheduler.prediction_type={noise_scheduler.config.prediction_type!r} differs from "
                 f"method.prediction_type={prediction_type!r}; set them equal"
             )
+        if self.noise.preconditioning == "edm":  # a freshly initialised network here: re-parametrised as EDM's F
+            from distill.models.precondition import EDMPreconditionedUNet2DConditionModel
+
+            student = EDMPreconditionedUNet2DConditionModel.wrap(student, noise_scheduler.config, prediction_type,
+                                                                 self.noise.sigma_data)
         self.student = student
         self.vae = vae.requires_grad_(False).eval() if vae is not None else None
         self.noise_scheduler = noise_scheduler
         self.conditioner = conditioner
         self.prediction_type = prediction_type
         self.cond_dropout = cond_dropout
-        self.timestep_sampler = timestep_sampler
         self.loss_weighting, self.snr_gamma = loss_weighting, snr_gamma
         self.sampling = dict(sampling or {"name": "ddim", "num_inference_steps": 50, "guidance_scale": 1.0})
         self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.clone().float(), persistent=False)
         self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
+        self.register_buffer("time_sigmas", vp_sigmas(noise_scheduler.alphas_cumprod).float(), persistent=False)  # per timestep
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -98,8 +102,9 @@ class DiffusionTraining(DistillMethod):
     def loss(self, batch: dict, generator: torch.Generator | None = None, drop_conditions: bool = True) -> torch.Tensor:
         x0 = self.latents(batch, generator)  # (N, C, H, W)
         n = x0.shape[0]
-        t = sample_timesteps(n, self.num_train_timesteps, self.timestep_sampler, generator, x0.device)
-        eps = torch.randn(x0.shape, generator=generator).to(x0)
+        bins, iw = self.draw_time_bins(n, self.time_sigmas, generator)
+        t = bins.to(x0.device)
+        eps = self.draw_noise(x0, generator)
         drop = (torch.rand(n, generator=generator) < self.cond_dropout) if drop_conditions else None
         cond = self.conditioner(batch, drop)
         cond = {k: v.to(x0.device) for k, v in cond.items()}
@@ -108,7 +113,10 @@ class DiffusionTraining(DistillMethod):
         pred = self.denoise(x_t, t, **cond)
         target = prediction_target(self.prediction_type, x0, eps, alpha, sigma)
         weight = snr_weight(snr(alpha, sigma), self.prediction_type, self.loss_weighting, self.snr_gamma)
-        return diffusion_loss(pred, target, weight)
+        per_example = diffusion_loss(pred, target, weight, reduce=False)
+        if self.training:
+            self.record_time_losses(bins, per_example)
+        return self.weighted_mean(per_example, iw)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

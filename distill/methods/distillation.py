@@ -54,11 +54,26 @@ class TeacherStudentDistillation(DistillMethod):
         self.conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer, cache=cache_prompts)
         self.noise_scheduler_config = dict(teacher.scheduler.config)
         self.student = make_student(student, teacher)
+        if self.noise.preconditioning == "edm":
+            self.student = self._edm_student(student, teacher)
         # LoRA adapters on the teacher's own UNet: with the adapters disabled the student is the teacher
         self.is_lora = self.student is self.teacher_unet
         self.w_dim = self.student.config.get("time_cond_proj_dim")  # None: no guidance-scale input
         self.guidance_scale_min, self.guidance_scale_max = guidance_scale_min, guidance_scale_max
         self.strict_loading = False  # frozen teacher parts are not stored in checkpoints
+
+    def _edm_student(self, student, teacher: Teacher) -> nn.Module:
+        """The freshly initialised student as EDM's F (``method.noise.preconditioning=edm``), predicting what the
+        teacher predicts; a student that starts from trained weights would start as another function."""
+        from distill.models.precondition import EDMPreconditionedUNet2DConditionModel
+        from distill.models.students import fresh_student
+
+        if getattr(student, "func", None) is not fresh_student:
+            raise ValueError("method.noise.preconditioning=edm re-parametrises the network, so it applies to a freshly "
+                             "initialised student (student=fresh); this one starts from trained weights, whose "
+                             "function the preconditioning would change: set method.noise.preconditioning=none")
+        return EDMPreconditionedUNet2DConditionModel.wrap(self.student, teacher.scheduler.config,
+                                                          teacher.prediction_type, self.noise.sigma_data)
 
     # ------------------------------------------------------------------ frozen teacher and checkpoints
 
@@ -82,6 +97,7 @@ class TeacherStudentDistillation(DistillMethod):
         return True
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
         frozen = ("vae.", "conditioner.text_encoder.") + (("teacher_unet.",) if self.teacher_reloads else ())
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith(frozen)]:

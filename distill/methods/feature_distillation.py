@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from distill.data.latents import batch_size_of
 from distill.diffusion import add_noise, alpha_sigma, prediction_target
+from distill.diffusion.consistency_training import vp_sigmas
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
@@ -109,6 +109,7 @@ class FeatureDistillation(TeacherStudentDistillation):
         self.prediction_type = teacher.prediction_type
         self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": 3.0, "num_inference_steps": 25})
         self.register_buffer("alphas_cumprod", teacher.scheduler.alphas_cumprod.clone().float(), persistent=False)
+        self.register_buffer("time_sigmas", vp_sigmas(teacher.scheduler.alphas_cumprod).float(), persistent=False)  # per timestep
         self.num_train_timesteps = int(teacher.scheduler.config.num_train_timesteps)
         self.regressors = nn.ModuleDict()
         if feature_weight > 0:
@@ -145,16 +146,20 @@ class FeatureDistillation(TeacherStudentDistillation):
         n = x0.shape[0]
         drop = torch.rand(n, generator=generator) < self.cond_dropout if self.cond_dropout > 0 else None
         cond = self.conditioner(batch, drop)["encoder_hidden_states"]
-        t = torch.randint(0, self.num_train_timesteps, (n,), generator=generator).to(x0.device)
-        eps = torch.randn(x0.shape, generator=generator).to(x0)
+        bins, iw = self.draw_time_bins(n, self.time_sigmas, generator)
+        t = bins.to(x0.device)
+        eps = self.draw_noise(x0, generator)
         a_t, s_t = alpha_sigma(self.alphas_cumprod, t, x0.ndim)
         x_t = add_noise(x0, eps, a_t, s_t)
         teacher_out = self.teacher_forward(x_t, t, cond) if self.output_weight > 0 or self.feature_weight > 0 else None
         teacher_feats = self._teacher_rec.pop() if self.feature_weight > 0 else {}
         pred = self.student(x_t, t, encoder_hidden_states=cond).sample.float()
-        terms = {"task": F.mse_loss(pred, prediction_target(self.prediction_type, x0, eps, a_t, s_t))}
+        def mse(a, b):  # per example: the importance weights (method.noise) apply per example
+            return (a.float() - b.float()).pow(2).flatten(1).mean(1)
+
+        terms = {"task": mse(pred, prediction_target(self.prediction_type, x0, eps, a_t, s_t))}
         if teacher_out is not None:
-            terms["output"] = F.mse_loss(pred, teacher_out)
+            terms["output"] = mse(pred, teacher_out)
         if self.feature_weight > 0:
             student_feats = self._student_rec.pop()
             feats = []
@@ -163,10 +168,14 @@ class FeatureDistillation(TeacherStudentDistillation):
                 key = name.replace(".", "_")
                 if key in self.regressors:
                     f_s = self.regressors[key](f_s)
-                feats.append(F.mse_loss(f_s, f_t.float()))
-            terms["feature"] = torch.stack(feats).sum()
+                feats.append(mse(f_s, f_t))
+            terms["feature"] = torch.stack(feats).sum(0)
         weights = {"task": self.task_weight, "output": self.output_weight, "feature": self.feature_weight}
-        terms["loss"] = sum(weights[k] * v for k, v in terms.items() if weights[k] > 0)
+        per_example = sum(weights[k] * v for k, v in terms.items() if weights[k] > 0)
+        if self.training:
+            self.record_time_losses(bins, per_example)
+        terms = {k: self.weighted_mean(v, iw) for k, v in terms.items()}
+        terms["loss"] = self.weighted_mean(per_example, iw)
         return terms
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -33,6 +33,7 @@ from distill.diffusion import (
     snr_weight,
     to_x0_eps,
 )
+from distill.diffusion.consistency_training import vp_sigmas
 from distill.diffusion.progressive import progressive_x_target, round_schedule
 from distill.inference.schedulers import grid_timesteps
 from distill.methods.distillation import TeacherStudentDistillation
@@ -68,6 +69,8 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         self.start_steps, self.steps_per_round = start_steps, steps_per_round
         self.teacher_prediction_type = teacher.prediction_type
         self.student_prediction_type, self.loss_weighting = student_prediction_type, loss_weighting
+        if self.noise.preconditioning == "edm":  # the EDM-wrapped student predicts what the student is trained to
+            self.student.register_to_config(edm_prediction_type=student_prediction_type)
         self.guidance_scale = guidance_scale
         self.guided_stage_steps = guided_stage_steps
         if guided_stage_steps > 0 and self.w_dim is None:
@@ -135,6 +138,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
                                      "teacher_prediction_type": self.teacher_prediction_type}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
         info = checkpoint["progressive"]
         if info["round_index"] > self.first_round:  # the teacher of a later round is an earlier student
             self.teacher_unet = self.prepare_network(self.frozen_student_copy().eval())
@@ -183,12 +187,15 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         cond, uncond = self.text_conditions(batch, n, x0.device)
         scale = self._scales(n, generator).to(x0.device)
         w_kwargs = guidance_condition(scale - 1.0, self.w_dim, x0)  # pipelines embed w = scale - 1
-        i = torch.randint(1, steps + 1, (n,), generator=generator).to(x0.device)
+        # bins 0..steps-1 = student grid points i = 1..steps (ascending noise: i = 0 is the clean end)
+        grid = self._times(torch.arange(1, steps + 1, device=self.abar.device), steps)
+        bins, iw = self.draw_time_bins(n, vp_sigmas(self.abar[grid]), generator)
+        i = (bins + 1).to(x0.device)
         if self.round_index < 0:  # guided stage: the student's prediction matches the guided teacher's
             t = self._times(i, steps)
         else:  # student step i -> i - 1 on its grid = teacher steps 2i -> 2i - 1 -> 2i - 2
             t, t_mid, t_end = self._times(2 * i, 2 * steps), self._times(2 * i - 1, 2 * steps), self._times(2 * i - 2, 2 * steps)
-        eps = torch.randn(x0.shape, generator=generator).to(x0)
+        eps = self.draw_noise(x0, generator)
         a_t, s_t = self._alpha_sigma(t)
         x_t = add_noise(x0, eps, a_t, s_t)
         if self.round_index < 0:
@@ -202,7 +209,10 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         target = prediction_target(self.student_prediction_type, x_target, eps_target, a_t, s_t)
         pred = self.student(x_t, t, encoder_hidden_states=cond, **w_kwargs).sample
         weight = snr_weight(snr(a_t, s_t).flatten(), self.student_prediction_type, self.loss_weighting)
-        return diffusion_loss(pred, target, weight)
+        per_example = diffusion_loss(pred, target, weight, reduce=False)
+        if self.training:
+            self.record_time_losses(bins, per_example)
+        return self.weighted_mean(per_example, iw)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)

@@ -92,14 +92,14 @@ def unet_folder(path: str | Path) -> Path:
 
 
 def _model_class(name: str) -> type:
-    """A UNet class named in a saved config: diffusers' own, or distill's (pruned, low-rank, MoE)."""
+    """A UNet class named in a saved config: diffusers' own, or distill's (pruned, low-rank, MoE, EDM-preconditioned)."""
     import diffusers
 
     import distill.inference.pipelines  # noqa: F401  (imports the libraries of distill's model classes)
     from distill.compress import lowrank, prune
-    from distill.models import moe
+    from distill.models import moe, precondition
 
-    for namespace in (diffusers, prune, lowrank, moe):
+    for namespace in (diffusers, prune, lowrank, moe, precondition):
         if isinstance(getattr(namespace, name, None), type):
             return getattr(namespace, name)
     raise ValueError(f"student.path holds a {name!r}, which neither diffusers nor distill defines")
