@@ -1,8 +1,10 @@
 """method.noise building blocks: antithetic pairs, stratified points, lognormal bins, importance-sampled times
 (unbiased by Monte Carlo, with a tolerance from the sample count)."""
 
+import csv
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,13 +30,41 @@ def test_stratified_points_fill_every_stratum_once():
     assert sorted((u * 16).floor().long().tolist()) == list(range(16))
 
 
-def test_lognormal_bin_probabilities_are_the_mass_between_midpoints():
+def test_lognormal_bin_probabilities_are_the_mass_between_midpoints_within_the_grid():
+    """Edges halfway between levels in log sigma, the outer ones half a step beyond the ends: the mass outside the
+    grid is not piled onto its end bins (a lognormal far outside the grid would send most draws there)."""
     sigmas = torch.tensor([0.01, 0.1, 1.0, 10.0], dtype=torch.float64)
     p = lognormal_bin_probabilities(sigmas, -1.1, 2.0)
     logs = np.log(sigmas.numpy())
-    edges = np.concatenate([[-np.inf], (logs[1:] + logs[:-1]) / 2, [np.inf]])
+    step = np.log(10)
+    edges = np.concatenate([[logs[0] - step / 2], (logs[1:] + logs[:-1]) / 2, [logs[-1] + step / 2]])
     ref = np.diff(norm.cdf((edges + 1.1) / 2.0))
     assert np.allclose(p.numpy(), ref / ref.sum(), atol=1e-12)
+    far = lognormal_bin_probabilities(sigmas, 30.0, 0.1)  # all the mass far above the grid: the top bin
+    assert far.tolist() == [0.0, 0.0, 0.0, 1.0]
+
+
+def test_non_finite_losses_do_not_poison_the_adaptive_proposal():
+    sampler = TimeSampler(4, "adaptive", history=1)
+    sampler.update(torch.tensor([0, 1, 2, 3, 3]), torch.tensor([1.0, 2.0, 3.0, 4.0, float("inf")]))
+    q = sampler.probabilities()
+    assert torch.isfinite(q).all() and torch.allclose(q.sum(), torch.tensor(1.0, dtype=torch.float64))
+    bins, w = sampler.sample(1000, torch.Generator().manual_seed(0))
+    assert set(bins.tolist()) == {0, 1, 2, 3} and torch.isfinite(w).all()
+
+
+def test_adaptive_bins_without_a_full_history_take_the_mean_of_the_full_ones():
+    """iCT's rarest pairs may never fill a history: they take the p-weighted mean second moment of the full bins,
+    so the proposal adapts as soon as one bin is full."""
+    sampler = TimeSampler(3, "adaptive", history=2, uniform_mix=0.5)
+    assert torch.equal(sampler.probabilities(), torch.full((3,), 1 / 3, dtype=torch.float64))
+    sampler.update(torch.tensor([0, 0, 1, 1]), torch.tensor([1.0, 1.0, 3.0, 3.0]))
+    m = torch.tensor([1.0, 9.0, 5.0], dtype=torch.float64)  # bin 2: (1 + 9) / 2
+    q = m.sqrt() / m.sqrt().sum()
+    assert torch.allclose(sampler.probabilities(), 0.5 * q + 0.5 / 3)
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _f(bins: torch.Tensor) -> torch.Tensor:  # a per-time loss that varies by two orders of magnitude
@@ -209,10 +239,10 @@ def test_edm_student_exports_and_samples_through_diffusers_default_call(tiny_sd,
     schedule = DDIMScheduler.from_pretrained(tiny_sd / "scheduler").config
     torch.manual_seed(0)
     fresh = UNet2DConditionModel.from_config(pipe.unet.config)
-    pipe.unet = EDMPreconditionedUNet2DConditionModel.wrap(fresh, schedule, "epsilon").eval()
+    pipe.unet = EDMPreconditionedUNet2DConditionModel.wrap(fresh, schedule, "epsilon", 1.0).eval()
     pipe.save_pretrained(tmp_path / "export")
     loaded = DiffusionPipeline.from_pretrained(tmp_path / "export")
-    assert type(loaded.unet) is EDMPreconditionedUNet2DConditionModel and loaded.unet.config.edm_sigma_data == 0.5
+    assert type(loaded.unet) is EDMPreconditionedUNet2DConditionModel and loaded.unet.config.edm_sigma_data == 1.0
     x = torch.randn(2, 4, 8, 8)
     cond = torch.randn(2, 8, 32)
     with torch.no_grad():
@@ -221,7 +251,7 @@ def test_edm_student_exports_and_samples_through_diffusers_default_call(tiny_sd,
     images = loaded("a handwritten digit three").images  # as a user calls it
     assert len(images) == 1 and images[0].size == (32, 32) and np.asarray(images[0]).std() > 0
     with pytest.raises(ValueError, match="wraps a UNet2DConditionModel"):
-        EDMPreconditionedUNet2DConditionModel.wrap(loaded.unet, schedule, "epsilon")
+        EDMPreconditionedUNet2DConditionModel.wrap(loaded.unet, schedule, "epsilon", 1.0)
 
 
 # ---------------------------------------------------------------- the options in the methods
@@ -298,3 +328,62 @@ def test_bad_noise_options_exit_2_before_training(tiny_sd, tmp_path):
                             ({"antithetc": True}, "method.noise has no option(s) ['antithetc']")]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             NoiseOptions.of(options)
+
+
+# ---------------------------------------------------------------- the benchmarks' arithmetic
+
+
+def test_grad_variance_bench_on_a_tiny_teacher(tiny_sd, tmp_path, monkeypatch):
+    """bench/grad_variance.py end to end (4 batches): the table's variance is the unbiased total variance of the
+    per-batch gradients, the default's ratio is 1, and identical options give identical gradients (same seed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grad_variance", ROOT / "bench" / "grad_variance.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = np.random.default_rng(0).normal(size=(6, 5))
+    assert bench.trace_var(g) == pytest.approx(np.var(g, axis=0, ddof=1).sum())
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    (tmp_path / "conf").symlink_to(ROOT / "conf")
+    bench.main(["--batches", "4", "--batch-size", "4", "--options", "default", "default", "antithetic", "--out", "gv",
+                "--bootstrap", "20", "--", f"teacher.pretrained_model_name_or_path={tiny_sd}",
+                "student.time_cond_proj_dim=32", "callbacks.quality_cost=null"])
+    rows = list(csv.DictReader(open(tmp_path / "gv" / "consistency.csv")))
+    assert [r["option"] for r in rows] == ["default", "default", "antithetic"]
+    assert float(rows[0]["ratio"]) == 1.0 and float(rows[1]["trace_var"]) == float(rows[0]["trace_var"])
+    assert float(rows[2]["trace_var"]) > 0 and float(rows[2]["trace_var"]) != float(rows[0]["trace_var"])
+
+
+def test_quality_curve_reads_runs_and_finds_the_first_step_at_a_target(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality_curve", ROOT / "bench" / "quality_curve.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("data:\n  batch_size: 128\n")
+    rows = [("teacher", "ddim", 50, 3.8, 0), ("student", "lcm", 1, 9.0, 250), ("student", "lcm", 2, 7.0, 250),
+            ("student", "lcm", 1, 6.0, 500), ("student", "lcm", 2, 4.5, 500)]
+    with open(run / "quality_cost.csv", "w") as f:
+        f.write("model,scheduler,steps,fid,fid_std,step\n")
+        f.writelines(f"{m},{s},{n},{fid},0.3,{step}\n" for m, s, n, fid, step in rows)
+    bench.main([str(run), "--target", "5", "--out", str(tmp_path / "curve.md")])
+    text = (tmp_path / "curve.md").read_text()
+    assert "| run | 500 | 64000 | 6.00 ± 0.30 | 4.50 ± 0.30 |" in text
+    assert "first at step 500 (64000 images)" in text and "teacher (ddim)" in text
+
+
+def test_edm_wrapper_keeps_exact_noise_levels_in_half_precision_and_refuses_zero_terminal_snr(tiny_sd):
+    from diffusers import DDIMScheduler, UNet2DConditionModel
+
+    from distill.models.precondition import EDMPreconditionedUNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_sd / "unet")
+    schedule = dict(DDIMScheduler.from_pretrained(tiny_sd / "scheduler").config)
+    model = EDMPreconditionedUNet2DConditionModel.wrap(unet, schedule, "epsilon", 1.0).to(torch.bfloat16)
+    abar = DDIMScheduler.from_config(schedule).alphas_cumprod.double()
+    t = torch.tensor([0, 10, 500, 999])
+    assert torch.allclose(model.edm_sigma(t), ((1 - abar[t]) / abar[t]).sqrt(), rtol=1e-12)
+    with pytest.raises(ValueError, match="zero terminal SNR"):
+        EDMPreconditionedUNet2DConditionModel.wrap(unet, {**schedule, "rescale_betas_zero_snr": True}, "epsilon", 1.0)

@@ -40,7 +40,7 @@ class NoiseOptions:
     history: int = 10
     uniform_mix: float = 0.1
     preconditioning: str = "none"
-    sigma_data: float = 0.5
+    sigma_data: float = 1.0  # EDM's data std: SD-format latents are scaled to unit variance (the VAE's scaling_factor)
 
     def __post_init__(self):
         if self.timesteps not in PROPOSALS:
@@ -89,12 +89,20 @@ def stratified_unit(n: int, generator: torch.Generator | None = None) -> torch.T
 
 
 def lognormal_bin_probabilities(sigmas: torch.Tensor, p_mean: float = -1.1, p_std: float = 2.0) -> torch.Tensor:
-    """The lognormal N(log sigma; p_mean, p_std^2) mass of each bin of an ascending noise-level grid ``sigmas``
-    (bin edges halfway between levels in log sigma; the end bins open), normalised."""
+    """The lognormal N(log sigma; p_mean, p_std^2) mass of each bin of an ascending noise-level grid ``sigmas``,
+    normalised over the grid's range: bin edges halfway between levels in log sigma, the outer edges half a step
+    beyond the end levels (the mass outside the grid is not piled onto its end bins)."""
     log_s = sigmas.double().log()
-    edges = torch.cat([log_s.new_tensor([-math.inf]), (log_s[1:] + log_s[:-1]) / 2, log_s.new_tensor([math.inf])])
+    if len(log_s) == 1:
+        return torch.ones(1, dtype=torch.float64)
+    mid = (log_s[1:] + log_s[:-1]) / 2
+    lo, hi = log_s[:1] - (log_s[1] - log_s[0]) / 2, log_s[-1:] + (log_s[-1] - log_s[-2]) / 2
+    edges = torch.cat([lo, mid, hi])
     cdf = 0.5 * (1 + torch.erf((edges - p_mean) / (math.sqrt(2) * p_std)))
     mass = (cdf[1:] - cdf[:-1]).clamp(min=0)
+    if float(mass.sum()) <= 0:  # the grid lies far in a tail: the nearest end bin
+        mass = torch.zeros_like(mass)
+        mass[0 if float(log_s[0]) > p_mean else -1] = 1.0
     return mass / mass.sum()
 
 
@@ -104,8 +112,9 @@ class TimeSampler:
     ``target``: the method's own distribution p over the bins (default uniform). ``proposal``: ``default``
     (q = p, weights 1; uniform draws are ``torch.randint`` and a non-uniform p ``torch.multinomial``, the draws the
     methods make without options), ``lognormal`` (fixed ``probs``, e.g. ``lognormal_bin_probabilities``) or
-    ``adaptive`` (p until every bin has ``history`` losses, then p sqrt(E[loss^2]) per bin); the proposal used
-    is (1 - uniform_mix) q + uniform_mix p, which bounds the weights p / q by 1 / uniform_mix.
+    ``adaptive`` (p sqrt(E[loss^2]) per bin over its last ``history`` losses; a bin with fewer, the mean over the
+    full bins, weighted by p; p until a bin is full); the proposal used is (1 - uniform_mix) q + uniform_mix p,
+    which bounds the weights p / q by 1 / uniform_mix. Non-finite losses are not recorded.
     ``stratified`` draws the proposal's quantiles at stratified points instead of independently.
     """
 
@@ -143,11 +152,16 @@ class TimeSampler:
             return p
         if self.proposal == "lognormal":
             q = self.fixed
-        elif bool((self.counts[p > 0] < self.history).any()):
-            return p  # adaptive: not warmed up yet
         else:
-            q = p * self.losses.mean(1).sqrt()
-            q = q / q.sum() if q.sum() > 0 else p
+            warm = self.counts >= self.history
+            if not bool(warm.any()):
+                return p  # adaptive: no bin full yet
+            second = self.losses.mean(1)
+            fill = (p[warm] * second[warm]).sum() / p[warm].sum() if float(p[warm].sum()) > 0 else second[warm].mean()
+            q = p * torch.where(warm, second, fill).sqrt()
+            if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:
+                return p
+            q = q / q.sum()
         return (1 - self.uniform_mix) * q + self.uniform_mix * p
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +177,8 @@ class TimeSampler:
             return (u * k).long().clamp(max=k - 1), torch.ones(n, dtype=torch.float64)
         q = self.probabilities()
         cdf = q.cumsum(0)
-        bins = torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=k - 1)
+        last = int((q > 0).nonzero().max())  # u * cdf[-1] rounding up to cdf[-1] lands on the last live bin
+        bins = torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=last)
         return bins, self.target_probabilities()[bins] / q[bins]
 
     @torch.no_grad()
@@ -172,6 +187,8 @@ class TimeSampler:
         if self.proposal != "adaptive":
             return
         for b, loss in zip(bins.tolist(), losses.detach().double().cpu().tolist()):
+            if not math.isfinite(loss):  # a step the non-finite guard skips: no evidence about the bin
+                continue
             self.losses[b, self.counts[b] % self.history] = loss ** 2
             self.counts[b] += 1
 

@@ -139,11 +139,11 @@ class DistillMethod(L.LightningModule):
             return antithetic_noise(tuple(like.shape), generator).to(like)
         return torch.randn(like.shape, generator=generator).to(like)
 
-    def time_sampler(self, sigmas: torch.Tensor, target: torch.Tensor | None = None) -> TimeSampler:
+    def time_sampler(self, sigmas: torch.Tensor, target: torch.Tensor | None = None, stage: int = 0) -> TimeSampler:
         """The sampler of the method's K time bins whose noise levels (ascending, sigma = sqrt((1 - abar) / abar))
         are ``sigmas`` and whose own distribution is ``target`` (uniform when None); rebuilt, its history
-        cleared, when the grid changes (a progressive round, iCT's curriculum)."""
-        key = (len(sigmas), None if target is None else tuple(target.double().tolist()))
+        cleared, when the grid or the ``stage`` changes (a progressive round, iCT's curriculum)."""
+        key = (stage, len(sigmas), None if target is None else tuple(target.double().tolist()))
         if self._time_sampler is None or self._time_sampler_key != key:
             o = self.noise
             probs = lognormal_bin_probabilities(sigmas.detach().double().cpu(), o.p_mean, o.p_std) \
@@ -158,14 +158,14 @@ class DistillMethod(L.LightningModule):
         return self._time_sampler
 
     def draw_time_bins(self, n: int, sigmas: torch.Tensor, generator: torch.Generator | None = None,
-                       target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       target: torch.Tensor | None = None, stage: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(bins, weights) for ``n`` examples over the bins of noise levels ``sigmas`` (see ``time_sampler``):
         bins on the CPU; weights p / q in float32, or None when every weight is 1 (no importance sampling).
         Outside training (a validation loss) the bins come from the method's own distribution, unweighted."""
         if not self.training:
             target = None if target is None else target.cpu()
             return TimeSampler(len(sigmas), "default", self.noise.stratified, target=target).sample(n, generator)[0], None
-        bins, weights = self.time_sampler(sigmas, target).sample(n, generator)
+        bins, weights = self.time_sampler(sigmas, target, stage).sample(n, generator)
         return bins, (None if self.noise.timesteps == "default" else weights.float())
 
     def record_time_losses(self, bins: torch.Tensor, losses: torch.Tensor) -> None:
@@ -186,8 +186,12 @@ class DistillMethod(L.LightningModule):
         return per_example.mean()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        if self.noise.timesteps == "adaptive" and self._time_sampler is not None:
+        if self.noise.timesteps != "adaptive":
+            return
+        if self._time_sampler is not None:
             checkpoint["time_sampler"] = self._time_sampler.state_dict()
+        elif getattr(self, "_pending_time_sampler_state", None) is not None:  # resumed, saved before a draw
+            checkpoint["time_sampler"] = self._pending_time_sampler_state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("time_sampler")

@@ -48,7 +48,7 @@ class ConsistencyTraining(TeacherStudentDistillation):
         variant: Literal["ict", "ect"] = "ect",
         p_mean: float = -1.1,  # lognormal noise levels: log sigma ~ N(p_mean, p_std^2)
         p_std: float = 2.0,
-        sigma_data: float = 0.5,
+        sigma_data: float = 1.0,  # iCT's EDM scalings: the data's std (SD-format latents are scaled to ~1)
         # iCT
         sigma_min: float = 0.002,
         sigma_max: float = 80.0,
@@ -86,6 +86,9 @@ class ConsistencyTraining(TeacherStudentDistillation):
             raise ValueError(f"method.noise.timesteps={self.noise.timesteps}: ECT draws t from its own continuous "
                              "lognormal (no time bins to re-weight); use method.noise.stratified=true or "
                              "method.variant=ict")
+        if variant == "ict" and self.noise.timesteps == "lognormal":
+            raise ValueError("method.noise.timesteps=lognormal: iCT already draws its pairs lognormally "
+                             "(method.p_mean, method.p_std); use default or adaptive")
         if self.noise.preconditioning != "none":
             raise ValueError(f"method.noise.preconditioning={self.noise.preconditioning}: consistency training has its "
                              "own parametrisation (iCT: EDM's; ECT: the teacher's); set it to none")
@@ -224,7 +227,7 @@ class ConsistencyTraining(TeacherStudentDistillation):
                 "was not trained for).")
 
     def export_info(self) -> dict:
-        info = {"variant": self.variant, "sigma_data": self.sigma_data}
+        info = {"variant": self.variant, "sigma_data": self.sigma_data if self.variant == "ict" else 0.5}
         if self.variant == "ict":
             info.update(sigma_min=self.sigma_min, sigma_max=self.sigma_max, rho=self.rho)
         else:

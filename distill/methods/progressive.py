@@ -189,7 +189,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         w_kwargs = guidance_condition(scale - 1.0, self.w_dim, x0)  # pipelines embed w = scale - 1
         # bins 0..steps-1 = student grid points i = 1..steps (ascending noise: i = 0 is the clean end)
         grid = self._times(torch.arange(1, steps + 1, device=self.abar.device), steps)
-        bins, iw = self.draw_time_bins(n, vp_sigmas(self.abar[grid]), generator)
+        bins, iw = self.draw_time_bins(n, vp_sigmas(self.abar[grid]), generator, stage=self.round_index)
         i = (bins + 1).to(x0.device)
         if self.round_index < 0:  # guided stage: the student's prediction matches the guided teacher's
             t = self._times(i, steps)

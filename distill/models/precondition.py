@@ -57,7 +57,7 @@ class EDMPreconditionedUNet2DConditionModel(UNet2DConditionModel):
     model predicting ``edm_prediction_type``. The noise schedule (``edm_schedule``: the scheduler's betas) and
     ``edm_sigma_data`` are part of the config, so ``from_pretrained`` rebuilds the same function."""
 
-    def __init__(self, *args, edm_schedule: Mapping | None = None, edm_sigma_data: float = 0.5,
+    def __init__(self, *args, edm_schedule: Mapping | None = None, edm_sigma_data: float = 1.0,
                  edm_prediction_type: str = "epsilon", **kwargs):
         super().__init__(*args, **kwargs)  # registers the base UNet's config
         if edm_prediction_type not in PREDICTION_TYPES:
@@ -68,11 +68,17 @@ class EDMPreconditionedUNet2DConditionModel(UNet2DConditionModel):
         self.register_to_config(edm_schedule=schedule, edm_sigma_data=edm_sigma_data,
                                 edm_prediction_type=edm_prediction_type)
         abar = DDPMScheduler(**schedule).alphas_cumprod.double()
-        self.register_buffer("edm_log_sigmas", ((1 - abar) / abar).sqrt().log().float(), persistent=False)
+        if float(abar.min()) <= 0 or float(abar.max()) >= 1:
+            raise ValueError("method.noise.preconditioning=edm needs 0 < alpha_bar < 1 at every timestep (finite "
+                             "sigma); this schedule has zero terminal SNR (rescale_betas_zero_snr): set it to false "
+                             "or method.noise.preconditioning=none")
+        # float64, not a buffer: a module cast to bf16/fp16 keeps the noise levels exact (bf16 would err by ~1%)
+        self._edm_log_sigmas = ((1 - abar) / abar).sqrt().log()
+        self._edm_tables: dict = {}
 
     @classmethod
     def wrap(cls, unet: UNet2DConditionModel, schedule: Mapping, prediction_type: str,
-             sigma_data: float = 0.5) -> EDMPreconditionedUNet2DConditionModel:
+             sigma_data: float) -> EDMPreconditionedUNet2DConditionModel:
         """``unet``'s architecture and weights (a fresh network: its function changes) as EDM's F."""
         if type(unet) is not UNet2DConditionModel:
             raise ValueError(f"method.noise.preconditioning=edm wraps a UNet2DConditionModel; the student is a "
@@ -86,9 +92,14 @@ class EDMPreconditionedUNet2DConditionModel(UNet2DConditionModel):
         return model.to(device=unet.device, dtype=unet.dtype).train(unet.training)
 
     def edm_sigma(self, timestep: torch.Tensor) -> torch.Tensor:
-        """sigma(t) of the schedule, log-linearly interpolated at fractional t (clamped to [0, T - 1])."""
-        log_s = self.edm_log_sigmas.to(timestep.device)
-        t = timestep.double().clamp(0, len(log_s) - 1)
+        """sigma(t) of the schedule, log-linearly interpolated at fractional t (clamped to [0, T - 1]), in float64
+        (float32 on a device without it)."""
+        device = timestep.device
+        if device not in self._edm_tables:
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            self._edm_tables[device] = self._edm_log_sigmas.to(device=device, dtype=dtype)
+        log_s = self._edm_tables[device]
+        t = timestep.to(log_s.dtype).clamp(0, len(log_s) - 1)
         lo = t.floor().long().clamp(max=len(log_s) - 2)
         frac = (t - lo).to(log_s.dtype)
         return (log_s[lo] * (1 - frac) + log_s[lo + 1] * frac).exp()
@@ -122,5 +133,5 @@ class EDMPreconditionedUNet2DConditionModel(UNet2DConditionModel):
 EDMPreconditionedUNet2DConditionModel.__init__.__signature__ = inspect.signature(UNet2DConditionModel.__init__).replace(
     parameters=[*inspect.signature(UNet2DConditionModel.__init__).parameters.values(),
                 inspect.Parameter("edm_schedule", inspect.Parameter.KEYWORD_ONLY, default=None),
-                inspect.Parameter("edm_sigma_data", inspect.Parameter.KEYWORD_ONLY, default=0.5),
+                inspect.Parameter("edm_sigma_data", inspect.Parameter.KEYWORD_ONLY, default=1.0),
                 inspect.Parameter("edm_prediction_type", inspect.Parameter.KEYWORD_ONLY, default="epsilon")])
