@@ -92,12 +92,19 @@ def gradients(method, batches: list[dict], seed: int, warmup: int) -> tuple[np.n
         loss = method.loss(batch, g)
         loss.backward()
         rows.append(torch.cat([p.grad.flatten() for p in params]).double().numpy())
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return np.stack(rows), losses
 
 
 def trace_var(grads: np.ndarray) -> float:
     return float(((grads - grads.mean(0)) ** 2).sum(1).mean() * len(grads) / (len(grads) - 1))
+
+
+def trace_var_gram(gram: np.ndarray, idx: np.ndarray) -> float:
+    """``trace_var`` of the rows ``idx`` from their Gram matrix: (sum_i |g_i|^2 - n |mean g|^2) / (n - 1)."""
+    n = len(idx)
+    sub = gram[np.ix_(idx, idx)]
+    return float((np.trace(sub) - sub.sum() / n) / (n - 1))
 
 
 def main(argv=None) -> int:
@@ -132,7 +139,8 @@ def main(argv=None) -> int:
         mean = grads.mean(0)
         if reference is None:
             reference = (trace_var(grads), mean)
-        boot = [trace_var(grads[rng.integers(0, len(grads), len(grads))]) for _ in range(args.bootstrap)]
+        gram = grads @ grads.T  # the bootstrap resamples batches: from the Gram matrix, not the gradients
+        boot = [trace_var_gram(gram, rng.integers(0, len(grads), len(grads))) for _ in range(args.bootstrap)]
         tv = trace_var(grads)
         cos = float(mean @ reference[1] / (np.linalg.norm(mean) * np.linalg.norm(reference[1]) + 1e-300))
         results.append({"option": option, "overrides": " ".join(switches) or "(none)", "trace_var": tv,

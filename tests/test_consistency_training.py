@@ -246,3 +246,39 @@ def test_short_cli_run_exports_a_pipeline_that_samples_through_diffusers_default
     images = pipe("a handwritten digit four").images
     assert len(images) == 1 and calls == [1, 1]  # two steps, one conditional evaluation each
     assert np.asarray(images[0]).std() > 0
+
+
+@pytest.mark.parametrize("student", ["lora", "moe_timestep", "lowrank"])
+def test_ect_trains_lora_moe_and_compressed_students_and_exports_them(tiny_sd, tmp_path, compose, student):
+    """ECT works with the other students: one loss and backward step changes trainable weights, and the export
+    samples through diffusers' default call (LoRA: adapter weights that load into the teacher)."""
+    from diffusers import DiffusionPipeline
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    import distill.inference.pipelines  # noqa: F401
+    from distill.config.builds import plain_choices
+
+    extra = {"lora": ["student.rank=4"], "moe_timestep": ["student.num_experts=2"], "lowrank": []}[student]
+    cfg = plain_choices(compose("+exp=consistency_training", f"student={student}", *extra,
+                                f"teacher.pretrained_model_name_or_path={tiny_sd}"))
+    torch.manual_seed(0)
+    method = instantiate(cfg.method, _partial_=True, _convert_="all")(
+        student=instantiate(cfg.student), teacher=instantiate(cfg.teacher),
+        sampling=OmegaConf.to_container(cfg.scheduler, resolve=True))
+    params = [p for p in method.trainable_parameters()]
+    before = [p.detach().clone() for p in params]
+    opt = torch.optim.SGD(params, lr=0.1)
+    batch = {"pixel_values": torch.rand(4, 1, 32, 32) * 2 - 1, "caption": ["a handwritten digit two"] * 4}
+    method.train()
+    loss = method.loss(batch, torch.Generator().manual_seed(0))
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and any(not torch.equal(a, p.detach()) for a, p in zip(before, params))
+    out = method.eval().export(tmp_path / "export")
+    if student == "lora":
+        assert (out / "lora" / "pytorch_lora_weights.safetensors").is_file()
+        return
+    pipe = DiffusionPipeline.from_pretrained(out)
+    images = pipe("a handwritten digit two").images
+    assert len(images) == 1 and np.asarray(images[0]).std() > 0

@@ -343,6 +343,8 @@ def test_grad_variance_bench_on_a_tiny_teacher(tiny_sd, tmp_path, monkeypatch):
     spec.loader.exec_module(bench)
     g = np.random.default_rng(0).normal(size=(6, 5))
     assert bench.trace_var(g) == pytest.approx(np.var(g, axis=0, ddof=1).sum())
+    idx = np.array([0, 2, 2, 5])
+    assert bench.trace_var_gram(g @ g.T, idx) == pytest.approx(bench.trace_var(g[idx]))
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     (tmp_path / "conf").symlink_to(ROOT / "conf")
     bench.main(["--batches", "4", "--batch-size", "4", "--options", "default", "default", "antithetic", "--out", "gv",

@@ -79,6 +79,9 @@ class ConsistencyTraining(TeacherStudentDistillation):
             raise ValueError(f"method.p_std={p_std}, method.sigma_data={sigma_data}: both must be > 0")
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=1.0, guidance_scale_max=1.0,
                          cache_prompts=cache_prompts, **speed)
+        if self.w_dim is not None:
+            raise ValueError(f"student.time_cond_proj_dim={self.w_dim}: consistency training has no guidance to "
+                             "condition on (the input would never train); set student.time_cond_proj_dim=null")
         if self.is_lora and variant == "ict":
             raise ValueError("method.variant=ict trains a freshly initialised network (student=fresh); a LoRA student "
                              "keeps the teacher's weights: use method.variant=ect")

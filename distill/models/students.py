@@ -63,12 +63,18 @@ def lora_student(teacher_unet: UNet2DConditionModel, rank: int = 8, alpha: float
                  target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out",
                                                    "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "conv_shortcut",
                                                    "downsamplers.0.conv", "upsamplers.0.conv", "time_emb_proj"),
-                 gradient_checkpointing: bool = False) -> UNet2DConditionModel:
+                 gradient_checkpointing: bool = False, time_cond_proj_dim: int | None = None) -> UNet2DConditionModel:
     """LoRA adapters (peft) on the teacher UNet itself; with the adapters disabled it is the teacher
     (LCM-LoRA, Luo et al. 2023b). Only the adapter weights train. The default targets are those of
     diffusers' LCM-LoRA script (train_lcm_distill_lora_sd_wds.py): attention, feed-forward, resnet and
-    time-embedding layers and the down/upsampler convolutions."""
+    time-embedding layers and the down/upsampler convolutions. ``time_cond_proj_dim`` is the teacher's own (an
+    experiment may set it to null for every student); a guidance-scale input cannot be added to the teacher."""
     from peft import LoraConfig
+
+    have = teacher_unet.config.get("time_cond_proj_dim")
+    if time_cond_proj_dim is not None and time_cond_proj_dim != have:
+        raise ValueError(f"student.time_cond_proj_dim={time_cond_proj_dim}: a LoRA student keeps the teacher's UNet, "
+                         f"whose guidance input is {have}; set student.time_cond_proj_dim=null or use student=copy")
 
     teacher_unet.requires_grad_(False)
     present = {name.split(".")[-1] for name, _ in teacher_unet.named_modules()}
