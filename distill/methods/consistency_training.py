@@ -10,8 +10,8 @@ Parametrisations, each exported with the diffusers scheduler that samples with e
   c_noise = 250 log sigma).
 - ``ect``: the teacher's own VP time and prediction type with LCM's boundary scalings, f(x_tau, tau) = c_skip(tau)
   x_tau + c_out(tau) x0(x_tau, tau), where x_tau = (x0 + sigma eps) / sqrt(1 + sigma^2) and tau is the teacher's
-  (continuous) timestep of noise level sigma; exported with ``LCMScheduler`` (sigma_data 0.5, timestep_scaling 10:
-  the values it hard-codes). ECT's t and r are noise levels sigma, as in the paper.
+  (continuous) timestep of noise level sigma; exported with ``LCMScheduler`` (it hard-codes sigma_data 0.5;
+  timestep_scaling 10 is written to its config). ECT's t and r are noise levels sigma, as in the paper.
 """
 
 from __future__ import annotations
