@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # the settings a test run uses: a few dozen training steps, a few images per digit
-SMALL = {"01_quickstart": {"TRAIN_STEPS": 30, "NUM_PER_CLASS": 5}}
+SMALL = {"01_quickstart": {"TRAIN_STEPS": 30, "BATCH_SIZE": 32, "NUM_PER_CLASS": 5}}
 
 
 def test_committed_notebooks_hold_no_outputs():

@@ -207,6 +207,7 @@ def test_fid_bootstrap_strata_are_labels_else_prompt_ids():
     assert isinstance(DigitClassifier(), PenultimateFeatures)  # the shipped classifier is measured by .features
 
 
+@pytest.mark.slow  # ~30 s; the fusion's exactness is tested per layer in test_compress_fusion
 def test_evaluate_fused_unet_gives_the_same_rows(tiny_sd, tmp_path):
     """fuse_qkv / channels_last are sampling options: the same images (FID, CLIP within float noise) under a
     model name that says so."""
