@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv install install-dev demo test test-all lint assets constraints clean
+.PHONY: venv install install-dev demo test test-all notebooks lint assets constraints clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ demo: install
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test: install-dev
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+
+# Every notebook top to bottom with small settings (nbclient), about 1.5 min each; CI runs it after `make test`.
+notebooks: install-dev
+	$(PY) -m pytest -q -m notebooks tests/test_notebooks.py --durations=5
 
 test-all: install-dev
 	$(PY) -m pytest -q -m "" -n $(TEST_WORKERS) --dist loadfile --durations=20

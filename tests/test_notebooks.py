@@ -35,6 +35,8 @@ def _with_parameters(nb, values: dict, out: Path):
     return nb
 
 
+# the executions run in CI as their own step (`make notebooks`, .ci/run), outside the 15-minute default suite
+@pytest.mark.notebooks
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, tmp_path):
     import nbformat
