@@ -121,6 +121,7 @@ class DistillMethod(L.LightningModule):
         self.noise = NoiseOptions.of(noise)
         self._time_sampler: TimeSampler | None = None
         self._time_sampler_key: tuple | None = None
+        self._pending_time_sampler_state: dict | None = None  # a resumed adaptive history, until the first draw
         if frozen_dtype is not None and frozen_dtype not in FROZEN_DTYPES:
             raise ValueError(f"method.frozen_dtype={frozen_dtype!r}; use one of {sorted(FROZEN_DTYPES)} or null (float32)")
         if compile:
@@ -150,7 +151,7 @@ class DistillMethod(L.LightningModule):
                 if o.timesteps == "lognormal" else None
             sampler = TimeSampler(len(sigmas), o.timesteps, o.stratified, probs=probs, history=o.history,
                                   uniform_mix=o.uniform_mix, target=None if target is None else target.cpu())
-            pending = getattr(self, "_pending_time_sampler_state", None)
+            pending = self._pending_time_sampler_state
             if pending is not None and pending["counts"].shape == sampler.counts.shape:
                 sampler.load_state_dict(pending)  # resumed: the history the checkpoint holds
             self._pending_time_sampler_state = None
@@ -190,7 +191,7 @@ class DistillMethod(L.LightningModule):
             return
         if self._time_sampler is not None:
             checkpoint["time_sampler"] = self._time_sampler.state_dict()
-        elif getattr(self, "_pending_time_sampler_state", None) is not None:  # resumed, saved before a draw
+        elif self._pending_time_sampler_state is not None:  # resumed, saved before a draw
             checkpoint["time_sampler"] = self._pending_time_sampler_state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
