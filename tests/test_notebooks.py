@@ -1,16 +1,17 @@
-"""The notebooks run top to bottom (nbclient, the parameter cell set to small settings) and are committed without
-outputs."""
+"""The notebooks run top to bottom (nbclient, their parameter cell set to their small settings), write what they
+declare, show their README figure, and are committed without outputs."""
 
+import importlib.util
 import json
-import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-# the settings a test run uses: a few dozen training steps, a few images per digit
-SMALL = {"01_quickstart": {"TRAIN_STEPS": 30, "BATCH_SIZE": 32, "NUM_PER_CLASS": 5}}
+_spec = importlib.util.spec_from_file_location("notebook_run", ROOT / "notebooks" / "run.py")
+run = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run)
 
 
 def test_committed_notebooks_hold_no_outputs():
@@ -23,34 +24,40 @@ def test_committed_notebooks_hold_no_outputs():
                     f"{path.name} is committed with outputs; clear them (Jupyter: Clear All Outputs) before committing"
 
 
-def _with_parameters(nb, values: dict, out: Path):
-    """The notebook with its cell tagged ``parameters`` assigning ``values`` and ``OUT`` (papermill's convention)."""
-    cells = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
-    assert len(cells) == 1, "a notebook needs exactly one cell tagged 'parameters'"
-    source = cells[0].source
-    for name, value in {**values, "OUT": str(out)}.items():
-        source, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}", source, flags=re.M)
-        assert n == 1, f"the parameter cell assigns no {name}"
-    cells[0].source = source
-    return nb
+def test_notebooks_declare_parameters_small_settings_and_a_figure():
+    import nbformat
+
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        tags = [t for c in nb.cells for t in c.metadata.get("tags", [])]
+        assert tags.count("parameters") == 1 and tags.count("figure") == 1, path.name
+        meta = nb.metadata.get("distill", {})
+        assert meta.get("small") and meta.get("expect"), f"{path.name}: metadata.distill.small/expect missing"
+        run.with_parameters(nb, {**meta["small"], "OUT": "x"})  # every small setting is a parameter
+
+
+def test_parameters_are_replaced_and_unknown_names_refused():
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("STEPS = 300\nOUT = 'a'\n",
+                                                                    metadata={"tags": ["parameters"]})])
+    assert run.with_parameters(nb, {"STEPS": 3, "OUT": "b"}).cells[0].source == "STEPS = 3\nOUT = 'b'\n"
+    with pytest.raises(ValueError, match="assigns no NOPE"):
+        run.with_parameters(nb, {"NOPE": 1})
 
 
 # the executions run in CI as their own step (`make notebooks`, .ci/run), outside the 15-minute default suite
 @pytest.mark.notebooks
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path, tmp_path):
-    import nbformat
-    from nbclient import NotebookClient
-
-    nb = _with_parameters(nbformat.read(path, as_version=4), SMALL.get(path.stem, {}), tmp_path / "out")
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    out = tmp_path / "out"
+    nb = run.execute(path, out, small=True, timeout=600)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
-    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
-    assert len(images) >= 3  # the teacher's grid, the side-by-side grid, the Pareto plot
+    assert run.figure(nb).startswith(b"\x89PNG")
+    missing = [f for f in nb.metadata["distill"]["expect"] if not (out / f).exists()]
+    assert not missing, f"{path.name} did not write {missing}"
     if path.stem == "01_quickstart":
         tables = [o["data"]["text/markdown"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
                   if "text/markdown" in o.get("data", {})]
         assert any("student (LCM)" in t and "teacher (DDIM)" in t for t in tables)
-        assert (tmp_path / "out" / "lcm" / "export" / "model_index.json").is_file()
-        assert (tmp_path / "out" / "pareto.png").is_file()
