@@ -64,6 +64,7 @@ class Run:
     config: dict = field(default_factory=dict)
     floor: dict | None = None
     label: str = ""
+    short: str = ""  # the label for a plot legend: last key component, numbers to 4 significant digits
     distinct: dict = field(default_factory=dict)  # distinguishing override key (as typed) -> this run's value
     config_diff: dict = field(default_factory=dict)  # distinguishing resolved-config key -> this run's value
     folder: str = ""  # relative to the runs' common folder
@@ -214,6 +215,15 @@ def _parse_override(override: str) -> tuple[str, str, str]:
     return key, bare, value
 
 
+def _short_value(value: str) -> str:
+    """A float written to 4 significant digits (``0.0003506575`` -> ``0.0003507``); anything else as it is."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return value if number.is_integer() or not any(c in value for c in ".eE") else f"{number:.4g}"
+
+
 def _lookup(run: Run, bare: str, typed: str) -> str:
     """The value a run that did not override ``bare`` ran with: its Hydra group choice or config value."""
     if bare in run.choices:
@@ -244,6 +254,12 @@ def label_runs(runs: list[Run]) -> None:
         run.folder = str(here.relative_to(common)) if here != common else here.name
         # the label leaves out keys a run neither set nor can name a value for (its table cell says "(default)")
         run.label = ",".join(f"{k}={v}" for k, v in run.distinct.items() if v not in PLACEHOLDERS) or run.folder
+    for run in runs:
+        items = [(k, v) for k, v in run.distinct.items() if v not in PLACEHOLDERS]
+        tails = [k.lstrip("+~").rsplit(".", 1)[-1] for k, _ in items]
+        unique = len(set(tails)) == len(tails)  # else the full keys (two keys end alike)
+        run.short = ",".join(f"{t if unique else k}={_short_value(v)}"
+                             for t, (k, v) in zip(tails, items, strict=True)) or run.label
     counts: dict[str, int] = {}
     for run in runs:
         counts[run.label] = counts.get(run.label, 0) + 1
@@ -318,7 +334,8 @@ def _series(rows: list[dict]):
         curves.setdefault(r["run"], set()).add((r.get("model", ""), r.get("scheduler", "")))
 
     def name(r):
-        text = r["run"] if r["_shared"] else f"[{numbers[r['run']]:0{width}d}] {r['run']}"  # [01] sorts before [10]
+        short = r["run"] if r["_shared"] else r["_run"].short or r["run"]
+        text = short if r["_shared"] else f"[{numbers[r['run']]:0{width}d}] {short}"  # [01] sorts before [10]
         text = text if len(text) <= LEGEND_CHARS else text[:LEGEND_CHARS - 1] + "…"
         return text if len(curves[r["run"]]) == 1 else f"{text} {r.get('model', '')} {r.get('scheduler', '')}"
 

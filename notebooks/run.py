@@ -41,10 +41,10 @@ def with_parameters(nb, values: dict):
     return nb
 
 
-def execute(path: Path, out: Path, small: bool = False, timeout: int = 1200, **values):
+def execute(path: Path, out: Path, small: bool = False, timeout: int | None = None, **values):
     """The executed notebook (``nbformat`` node): parameters ``small`` (its ``metadata.distill.small``) and
-    ``values`` set, ``OUT=out``, run in the repository root. Raises nbclient's ``CellExecutionError`` on a failing
-    cell."""
+    ``values`` set, ``OUT=out``, run in the repository root; ``timeout``: seconds a cell may take (None: no limit).
+    Raises nbclient's ``CellExecutionError`` on a failing cell, ``CellTimeoutError`` on a cell over time."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -74,6 +74,8 @@ def main(argv=None) -> int:
                         help="parameters to set (Python literals), over the notebook's own or --small ones")
     parser.add_argument("--out-root", type=Path, default=ROOT / "outputs" / "notebooks",
                         help="each notebook's OUT is <out-root>/<name> (a trained student there is reused)")
+    parser.add_argument("--timeout", type=int, default=None, help="seconds a cell may take (default: no limit; a "
+                        "full-budget training cell takes tens of minutes on 2 CPU cores)")
     parser.add_argument("--figure-dir", type=Path, help="write each notebook's figure to <dir>/<name>.png")
     parser.add_argument("--executed-dir", type=Path, help="also write each executed notebook there")
     args = parser.parse_args(argv)
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
     for path in args.notebooks:
         start = time.perf_counter()
         try:
-            nb = execute(path, (args.out_root / path.stem).resolve(), small=args.small, **values)
+            nb = execute(path, (args.out_root / path.stem).resolve(), small=args.small, timeout=args.timeout,
+                         **values)
         except ValueError as err:  # a parameter the notebook does not have
             print(f"error: {path.name}: {err}", file=sys.stderr)
             return 2

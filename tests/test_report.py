@@ -263,3 +263,24 @@ def test_module_entry_point(runs, monkeypatch, capsys):
     assert exit_info.value.code == 0
     assert "| eval_mymodel |" in capsys.readouterr().out and (runs["out"] / "dashboard.html").is_file()
     assert math.isclose(float(_read(runs["out"] / "report.csv")[0]["fid"]), EVALUATED[8][1])
+
+
+def test_legend_names_are_short_and_keep_what_tells_runs_apart():
+    """The plot legend names a run by its distinguishing overrides with the last key component and floats to 4
+    significant digits (an Optuna learning rate has 16); the full keys stay where two keys end alike; the tables keep
+    the whole label."""
+    def run(folder, overrides):
+        r = report.Run(Path(folder), [_row("student", "lcm", 4, 1.0, 1e-2)], overrides)
+        return r
+
+    a = run("0", ["method.num_ddim_timesteps=50", "method.optimizer.lr=0.0003506575410186655"])
+    b = run("1", ["method.num_ddim_timesteps=25", "method.optimizer.lr=1e-4"])
+    report.label_runs([a, b])
+    assert a.label == "method.num_ddim_timesteps=50,method.optimizer.lr=0.0003506575410186655"
+    assert (a.short, b.short) == ("num_ddim_timesteps=50,lr=0.0003507", "num_ddim_timesteps=25,lr=0.0001")
+    rows, _ = report.gather([a, b])
+    assert {report._series(rows)(r) for r in rows} == {"[1] num_ddim_timesteps=50,lr=0.0003507",
+                                                        "[2] num_ddim_timesteps=25,lr=0.0001"}
+    c, d = run("c", ["student.lr=1", "method.lr=2"]), run("d", ["student.lr=3", "method.lr=4"])
+    report.label_runs([c, d])
+    assert c.short == "student.lr=1,method.lr=2"
