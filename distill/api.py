@@ -87,3 +87,28 @@ def evaluate(cfg_or_overrides: DictConfig | Sequence[str], run_dir: str | Path |
                                                                                   run_dir)
     with _hydra_context(cfg) as out:
         return sweep(_job(cfg), out)
+
+
+def output_folder(path: str | Path, settings: dict, may_grow: Sequence[str] = ()) -> Path:
+    """``path`` created, as the output folder of a notebook or script run with ``settings`` (JSON-able), which are
+    recorded in ``<path>/settings.json``. A folder already holding results of other settings is refused
+    (``ValueError`` naming the differences and the fix) instead of silently reusing students trained otherwise;
+    a name in ``may_grow`` may take a larger value than recorded (e.g. more search trials continue a study)."""
+    import json
+
+    folder = Path(path)
+    record = folder / "settings.json"
+    settings = json.loads(json.dumps(settings))  # as they will read back (tuples as lists)
+    if record.is_file():
+        saved = json.loads(record.read_text())
+        changed = {k: (saved.get(k), v) for k, v in settings.items() if saved.get(k) != v
+                   and not (k in may_grow and isinstance(v, int | float) and isinstance(saved.get(k), int | float)
+                            and v >= saved[k])}
+        changed.update({k: (v, None) for k, v in saved.items() if k not in settings})
+        if changed:
+            diff = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in changed.items())
+            raise ValueError(f"{folder} holds results of other settings ({diff}); delete it, or choose another "
+                             f"output folder, to run with these")
+    folder.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    return folder

@@ -254,12 +254,11 @@ def label_runs(runs: list[Run]) -> None:
         run.folder = str(here.relative_to(common)) if here != common else here.name
         # the label leaves out keys a run neither set nor can name a value for (its table cell says "(default)")
         run.label = ",".join(f"{k}={v}" for k, v in run.distinct.items() if v not in PLACEHOLDERS) or run.folder
+    tails = {k: k.lstrip("+~").rsplit(".", 1)[-1] for k in (keys[bare] for bare in distinct)}
+    unique = len(set(tails.values())) == len(tails)  # else the full keys (two distinguishing keys end alike)
     for run in runs:
-        items = [(k, v) for k, v in run.distinct.items() if v not in PLACEHOLDERS]
-        tails = [k.lstrip("+~").rsplit(".", 1)[-1] for k, _ in items]
-        unique = len(set(tails)) == len(tails)  # else the full keys (two keys end alike)
-        run.short = ",".join(f"{t if unique else k}={_short_value(v)}"
-                             for t, (k, v) in zip(tails, items, strict=True)) or run.label
+        run.short = ",".join(f"{tails[k] if unique else k}={_short_value(v)}" for k, v in run.distinct.items()
+                             if v not in PLACEHOLDERS) or run.label
     counts: dict[str, int] = {}
     for run in runs:
         counts[run.label] = counts.get(run.label, 0) + 1

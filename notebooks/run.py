@@ -1,7 +1,7 @@
 """Run a notebook top to bottom with its parameters set (papermill's convention, on nbclient), and take its README
 figure. Used by the tests (small settings) and to make the README's pictures (full settings):
 
-    python notebooks/run.py notebooks/02_quality_cost.ipynb --small --figure docs/notebooks/02_quality_cost.png
+    python notebooks/run.py notebooks/02_quality_cost.ipynb --small --out-root /tmp/nb --figure-dir /tmp/nb/figures
     python notebooks/run.py notebooks/*.ipynb --figure-dir docs/notebooks      # every notebook, its own settings
     python notebooks/run.py notebooks/02_quality_cost.ipynb --set TRAIN_STEPS=200 NUM_PER_CLASS=10
 
@@ -33,7 +33,8 @@ def with_parameters(nb, values: dict):
         raise ValueError(f"a notebook needs exactly one cell tagged 'parameters', found {len(cells)}")
     source = cells[0].source
     for name, value in values.items():
-        source, n = re.subn(rf"^{name} = .*$", f"{name} = {value!r}", source, flags=re.M)
+        source, n = re.subn(rf"^{name} = .*$", lambda _, name=name, value=value: f"{name} = {value!r}", source,
+                            flags=re.M)  # a function: the value's backslashes stay as they are
         if n != 1:
             raise ValueError(f"the parameter cell assigns no {name} (known: "
                              f"{re.findall(r'^([A-Z_][A-Z0-9_]*) = ', source, flags=re.M)})")
@@ -85,6 +86,9 @@ def main(argv=None) -> int:
             return 2
     values = {}
     for item in args.set:
+        if item.startswith("OUT="):
+            print("error: --set OUT=... is --out-root's job (each notebook's OUT is <out-root>/<name>)", file=sys.stderr)
+            return 2
         name, sep, text = item.partition("=")
         try:
             values[name] = ast.literal_eval(text)

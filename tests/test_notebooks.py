@@ -61,3 +61,19 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
         tables = [o["data"]["text/markdown"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
                   if "text/markdown" in o.get("data", {})]
         assert any("student (LCM)" in t and "teacher (DDIM)" in t for t in tables)
+
+
+def test_output_folder_refuses_results_of_other_settings(tmp_path):
+    from distill import api
+
+    out = tmp_path / "nb"
+    assert api.output_folder(out, {"TRAIN_STEPS": 300, "STEPS": (4, 8)}) == out
+    assert api.output_folder(out, {"TRAIN_STEPS": 300, "STEPS": [4, 8]}) == out  # the same settings: reused
+    with pytest.raises(ValueError, match=r"TRAIN_STEPS: 300 there, 30 now.*delete it"):
+        api.output_folder(out, {"TRAIN_STEPS": 30, "STEPS": [4, 8]})
+    with pytest.raises(ValueError, match="STEPS"):
+        api.output_folder(out, {"TRAIN_STEPS": 300})
+    api.output_folder(tmp_path / "s", {"TRIALS": 3, "BATCH": 16}, may_grow=["TRIALS"])
+    api.output_folder(tmp_path / "s", {"TRIALS": 6, "BATCH": 16}, may_grow=["TRIALS"])  # more trials continue
+    with pytest.raises(ValueError, match="TRIALS: 6 there, 2 now"):
+        api.output_folder(tmp_path / "s", {"TRIALS": 2, "BATCH": 16}, may_grow=["TRIALS"])
