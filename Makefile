@@ -36,7 +36,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4;
 test: install-dev
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
-# Every notebook top to bottom with small settings (nbclient), 1-3.5 min each; CI runs it after `make test`.
+# Every notebook top to bottom with small settings (nbclient), 1.5-4.5 min each; CI runs it after `make test`.
 notebooks: install-dev
 	$(PY) -m pytest -q -m notebooks tests/test_notebooks.py --durations=5
 

@@ -55,7 +55,7 @@ def test_notebook_runs_top_to_bottom(path, tmp_path):
     start = time.perf_counter()
     nb = run.execute(path, out, small=True, timeout=600)  # a cell over 10 minutes fails there
     elapsed = time.perf_counter() - start
-    # the whole notebook: its small settings should run in a few minutes (1-3.5 min measured on 2 busy cores)
+    # the whole notebook: its small settings should run in a few minutes (1.5-4.5 min measured on 2 busy cores)
     assert elapsed < 900, f"{path.name} took {elapsed:.0f} s with its small settings; make them smaller"
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
