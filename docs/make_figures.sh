@@ -80,3 +80,5 @@ $PY bench/compress_table.py "${specs[@]}" --out docs/accelerate_quality_cost.csv
   "teacher DPM-Solver 20=teacher-dpmsolver20" "teacher DDIM 50 no CFG=teacher-ddim50-cfg1" \
   "teacher DDIM 50 empty prompt=teacher-ddim50-null" "LCM 4 steps=lcm4"
 $PY bench/accelerate_latency.py --threads 2 --lcm outputs/consistency_demo/export --out docs/accelerate_latency.json
+# the notebooks' pictures (README "Notebooks"): each notebook with its default settings, its figure cell
+$PY notebooks/run.py notebooks/*.ipynb --figure-dir docs/notebooks
