@@ -57,7 +57,7 @@ def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
     assert protocol["num_samples"] == 20 and protocol["eval"] == "digits" and protocol["metrics"] == [
         "fid", "kid", "clip_score", "prompt_accuracy"]
     assert (protocol["real_data_floor"], protocol["real_data_floor_std"]) == pytest.approx(
-        (8.856545011544767, 1.3143815379493742), rel=1e-9)  # as before
+        (8.856545011544767, 1.3143815379493742), rel=1e-5)  # as before (float32 features: ~1e-7 run to run)
     assert "real-data floor" in proc.stdout
     # The reference statistics were cached under $HOME for the next run.
     assert list((tmp_path / ".cache" / "distill" / "fid_reference").glob("*.pt"))

@@ -16,6 +16,10 @@ import pytest
 from distill import report
 from tests.test_report import LABELS, make_runs
 
+# the legend's run names: the distinguishing keys' last component (the tables and hovers keep the whole label)
+LEGEND = {job: ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in (part.split("=", 1) for part in label.split(",")))
+          for job, label in LABELS.items()}
+
 WAIT_S = 30
 
 
@@ -72,7 +76,7 @@ def test_every_point_run_and_front_drawn(page, dashboard):
     assert points == len(rows) + sum(r["pareto"] == "1" for r in rows) == 13 + 8
     legend = page.execute_script(
         "return Array.from(document.querySelectorAll('.legend .traces')).map(e => e.textContent)")
-    assert legend == ["teacher"] + [f"[{i}] {label}" for i, label in enumerate(LABELS.values(), 1)] + [
+    assert legend == ["teacher"] + [f"[{i}] {name}" for i, name in enumerate(LEGEND.values(), 1)] + [
         "[4] eval_mymodel", "Pareto front (latency)"]
     text = page.execute_script("return document.body.innerText")
     for label in [*LABELS.values(), "eval_mymodel", "teacher"]:
@@ -85,7 +89,7 @@ def test_hover_names_the_run_and_its_numbers(page):
 
     index = page.execute_script(
         "const gd = document.getElementById('pareto');"
-        "return gd.data.findIndex(t => t.name === arguments[0]);", f"[3] {LABELS['2']}")
+        "return gd.data.findIndex(t => t.name === arguments[0]);", f"[3] {LEGEND['2']}")
     assert index >= 0
     point = page.execute_script(
         "const traces = document.querySelectorAll('.scatterlayer .trace');"
@@ -113,7 +117,7 @@ def test_switch_to_nfe(page, dashboard):
     title, traces = state
     assert title == "NFE per image"
     by_name = {name: (x, visible) for name, x, visible in traces}
-    assert by_name[f"[1] {LABELS['0']}"][0] == [1.0, 2.0, 4.0]
+    assert by_name[f"[1] {LEGEND['0']}"][0] == [1.0, 2.0, 4.0]
     assert by_name["Pareto front (nfe)"][1] is True and by_name["Pareto front (latency)"][1] is False
     buttons[0].click()
     assert page.execute_script("return document.getElementById('pareto').layout.xaxis.title.text") == \
