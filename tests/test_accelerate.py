@@ -281,6 +281,7 @@ def _evaluate(tmp_path, *overrides):
                           capture_output=True, text=True)
 
 
+@pytest.mark.slow  # ~40 s; notebook 02 (make notebooks) sweeps accelerators through distill.evaluate too
 def test_evaluate_sweeps_accelerators_like_schedulers(tmp_path):
     import csv
 
@@ -296,12 +297,16 @@ def test_evaluate_sweeps_accelerators_like_schedulers(tmp_path):
     assert flops[1] < 0.75 * flops[0] and flops[2] < flops[0]
 
 
+# each case is a process start of ~20 s; the default suite keeps two (an unknown name, a bad option value)
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("overrides, code, needle", [
     (["accelerate=warp"], 1, "accelerate"),
-    (["accelerators=[none,warp]"], 2, "accelerator 'warp'"),
+    pytest.param(["accelerators=[none,warp]"], 2, "accelerator 'warp'", marks=_SLOW),
     (["accelerate=deepcache", "accelerate.options.interval=0"], 2, "accelerate.options.interval=0"),
-    (["accelerate=forecast", "accelerate.options.order=3"], 2, "accelerate.options.warmup=2"),
-    (["accelerate=deepcache", "+accelerate.options.speed=9"], 2, "speed"),
+    pytest.param(["accelerate=forecast", "accelerate.options.order=3"], 2, "accelerate.options.warmup=2", marks=_SLOW),
+    pytest.param(["accelerate=deepcache", "+accelerate.options.speed=9"], 2, "speed", marks=_SLOW),
 ])
 def test_bad_accelerator_settings_fail_before_sampling(tmp_path, overrides, code, needle):
     proc = _evaluate(tmp_path, *overrides, "steps=[2]", "num_per_class=1")
