@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,28 @@ SCHEDULERS: dict[str, str] = {
 }
 
 
+# Pixel-space defaults of DDPM/DDIM (x0 clipped to [-1, 1], dynamic thresholding). A latent x0 is not in that
+# range, so SD's own DDIM config turns them off; a config of another class (PNDM, Euler) does not name them and
+# from_config would take the class default (clip_sample=True). diffusers' pipelines correct that when they are
+# built; a scheduler swapped in afterwards is not, hence this.
+PIXEL_SPACE_OPTIONS = ("clip_sample", "thresholding")
+
+
+def unstated_pixel_options(cls: type, base_config: Any) -> dict[str, bool]:
+    """``{option: False}`` for each of ``PIXEL_SPACE_OPTIONS`` that ``cls`` takes and ``base_config`` does not
+    state itself (absent, or filled in from a class default: diffusers' ``_use_default_values``)."""
+    takes = inspect.signature(cls.__init__).parameters
+    defaulted = set(base_config.get("_use_default_values") or ())
+    return {key: False for key in PIXEL_SPACE_OPTIONS if key in takes and (key not in base_config or key in defaulted)}
+
+
 def make_scheduler(name: str, base_config: Any, **options: Any):
-    """``diffusers.<Class>.from_config(base_config, **options)`` for a scheduler ``name``."""
+    """``diffusers.<Class>.from_config(base_config, **options)`` for a scheduler ``name``; x0 clipping and
+    thresholding stay off unless ``base_config`` or ``options`` turn them on."""
     if name not in SCHEDULERS:
         raise ValueError(f"scheduler.name={name!r} is unknown; use one of {sorted(SCHEDULERS)}")
     cls = getattr(diffusers, SCHEDULERS[name])
-    return cls.from_config(base_config, **options)
+    return cls.from_config(base_config, **{**unstated_pixel_options(cls, base_config), **options})
 
 
 def grid_timesteps(i: torch.Tensor, num_steps: int, num_train_timesteps: int) -> torch.Tensor:
