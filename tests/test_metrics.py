@@ -273,3 +273,51 @@ def test_uncertainties_in_tables_and_comparisons(tmp_path):
     (tmp_path / "old.csv").write_text("model,scheduler,steps,fid,latency_s\n")
     write_csv(rows, tmp_path / "old.csv", append=True)
     assert (tmp_path / "old.csv").read_text().splitlines()[1:] == ["s,lcm,1,3.2137,0.01", "s,lcm,2,2.5,0.02"]
+
+
+def _attention_flops(batch: int, heads: int, lq: int, lk: int, head_dim: int) -> int:
+    """QK^T and AV written out: two matmuls of batch x heads (lq x head_dim) @ (head_dim x lk)-sized work."""
+    return 2 * batch * heads * lq * lk * head_dim * 2
+
+
+def test_flops_count_cpu_attention_like_torch_counts_the_math_kernel():
+    """CPU attention runs torch's fused kernel, which torch's counter has no rule for (it counted 0): the count
+    now equals a hand count, torch's own sdpa formula, and torch's count of the unfused math kernel."""
+    from diffusers.models.attention_processor import Attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    torch.manual_seed(0)
+    b, lq, lk, dim, context_dim, heads, head_dim = 2, 16, 7, 32, 24, 4, 8
+    attn = Attention(dim, cross_attention_dim=context_dim, heads=heads, dim_head=head_dim)
+    x, context = torch.randn(b, lq, dim), torch.randn(b, lk, context_dim)
+    projections = 2 * b * (lq * dim * dim * 2 + lk * context_dim * dim * 2)  # to_q, to_out; to_k, to_v
+    with torch.no_grad():
+        flops = count_flops(lambda: attn(x, encoder_hidden_states=context))
+        with sdpa_kernel(SDPBackend.MATH):  # matmuls that torch's counter sees
+            math = count_flops(lambda: attn(x, encoder_hidden_states=context))
+    assert flops - projections == _attention_flops(b, heads, lq, lk, head_dim) == 2 * 2 * 4 * 16 * 7 * 8 * 2
+    assert flops == math
+    q, k, v = (torch.randn(b, heads, n, head_dim, requires_grad=True) for n in (lq, lk, lk))
+    assert count_flops(lambda: nn.functional.scaled_dot_product_attention(q, k, v)) == sdpa_flop_count(
+        q.shape, k.shape, v.shape)
+    total = count_flops(lambda: nn.functional.scaled_dot_product_attention(q, k, v).sum().backward())
+    backward = sdpa_backward_flop_count(q.shape, q.shape, k.shape, v.shape)  # grad_out has the query's shape
+    assert total == sdpa_flop_count(q.shape, k.shape, v.shape) + backward == 7 * b * heads * lq * lk * head_dim * 2
+
+
+def test_flops_of_a_unet_transformer_block_against_a_hand_count():
+    """One BasicTransformerBlock (self-attention, cross-attention, GEGLU feed-forward), every matmul written out."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    torch.manual_seed(0)
+    b, tokens, text, dim, context_dim, heads, head_dim = 2, 16, 7, 32, 24, 4, 8
+    block = BasicTransformerBlock(dim, heads, head_dim, cross_attention_dim=context_dim)
+    x, context = torch.randn(b, tokens, dim), torch.randn(b, text, context_dim)
+    with torch.no_grad():
+        flops = count_flops(lambda: block(x, encoder_hidden_states=context))
+    self_attention = 2 * b * tokens * dim * dim * 4 + _attention_flops(b, heads, tokens, tokens, head_dim)
+    cross_attention = (2 * b * (tokens * dim * dim * 2 + text * context_dim * dim * 2)
+                       + _attention_flops(b, heads, tokens, text, head_dim))
+    feed_forward = 2 * b * tokens * (dim * 2 * 4 * dim + 4 * dim * dim)  # GEGLU: dim -> 2 x 4 dim, 4 dim -> dim
+    assert flops == self_attention + cross_attention + feed_forward == 1_316_864
