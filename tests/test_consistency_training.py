@@ -181,9 +181,9 @@ def test_ict_boundary_makes_f_the_identity_at_sigma_min(tiny_sd):
 def test_ect_pairs_follow_the_mapping_and_ict_pairs_the_curriculum(tiny_sd):
     method = _method(tiny_sd, "ect")
     g = torch.Generator().manual_seed(0)
-    r, t, _, _ = method.ect_pairs(4096, 250, g)
+    r, t, _, _ = method.ect_pairs(4096, 25, g)  # step 25 of curriculum_steps=100 in 8 stages: stage floor(2.0) = 2
     assert torch.all(t >= method.vp_sigmas[1]) and torch.all(t <= method.vp_sigmas[-1])
-    assert torch.allclose(r, ct.ect_r(t, 250 // method.double_every))
+    assert torch.allclose(r, ct.ect_r(t, 2))
     method = _method(tiny_sd, "ict")
     lo, hi, _, _ = method.ict_pairs(4096, 0, g)
     sigmas = ct.karras_sigmas(11)  # N(0) = 11 levels
@@ -194,7 +194,7 @@ def test_ect_pairs_follow_the_mapping_and_ict_pairs_the_curriculum(tiny_sd):
 @pytest.mark.parametrize("overrides, needle", [
     (["method.sigma_min=80", "method.sigma_max=1"], "need 0 < sigma_min < sigma_max"),
     pytest.param(["method.s0=0"], "the curriculum needs 1 <= s0 <= s1", marks=pytest.mark.slow),
-    pytest.param(["method.double_every=0"], "method.double_every=0 must be >= 1", marks=pytest.mark.slow),
+    pytest.param(["method.stages=0"], "method.stages=0 must be >= 1", marks=pytest.mark.slow),
     (["method.variant=foo"], "Invalid value 'foo', expected one of [ict, ect]"),  # Hydra's own check: exit 1
 ])
 def test_bad_settings_exit_2_before_training(tmp_path, overrides, needle):
@@ -282,3 +282,95 @@ def test_ect_trains_lora_moe_and_compressed_students_and_exports_them(tiny_sd, t
     pipe = DiffusionPipeline.from_pretrained(out)
     images = pipe("a handwritten digit two").images
     assert len(images) == 1 and np.asarray(images[0]).std() > 0
+
+
+def test_ect_stages_split_the_run_as_the_paper():
+    """ECT's CIFAR-10 run (run_ecm.sh: 25.6 Mimg of batch 128 = 200k steps, t - r halved every 250 of its 2,000
+    ticks): 8 stages of 25k steps; a 1,000-step run keeps the same 8 stages (125 steps each), so its last
+    stage's decay is the paper's 1/2^8, not the 1/2^10 of a fixed 100-step halving."""
+    assert [ct.ect_stage(s, 200_000, 8) for s in (0, 24_999, 25_000, 175_000, 199_999, 200_000)] == [0, 0, 1, 7, 7, 7]
+    assert [ct.ect_stage(s, 1_000, 8) for s in (124, 125, 600, 999, 1_000)] == [0, 1, 4, 7, 7]
+    with pytest.raises(ValueError, match="stages=0"):
+        ct.ect_stage(5, 100, 0)
+
+
+class _Linear(torch.nn.Module):
+    """A tiny deterministic stand-in for the UNet: sample = w x + b (tau / 1000) mean(cond), so f depends on the
+    input, the timestep and the condition through two scalars."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.b = torch.nn.Parameter(torch.tensor(0.7)), torch.nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x, tau, encoder_hidden_states=None):
+        cond = encoder_hidden_states.float().mean(dim=(1, 2)).view(-1, 1, 1, 1)
+        return type("Out", (), {"sample": self.w * x + self.b * (tau.float() / 1000).view(-1, 1, 1, 1) * cond})()
+
+
+@pytest.mark.parametrize("step, max_steps", [(0, 1_000), (600, 1_000)])
+def test_ect_loss_value_and_gradient_computed_by_hand(tiny_sd, step, max_steps):
+    """ConsistencyTraining.loss (ECT, epsilon teacher) against Geng et al. 2024 written out: x0 from the batch;
+    t ~ lognormal(-1.1, 2) truncated to the teacher's range; r = t (1 - (1 + 8 sigmoid(-t)) / 2^(stage+1)) with
+    stage = floor(8 step / max_steps), clamped at 0; one eps for both points; f(x, sigma) = c_skip x_vp + c_out
+    x0_hat at the teacher's timestep of sigma (LCM's c_skip, c_out, sigma_data 0.5, timestep_scaling 10);
+    f_r = x0 where r = 0, else f at r under stop-gradient; loss = mean ||f_t - f_r|| / (t - r). The gradient is
+    the one of f_t alone (a gradient through f_r would differ)."""
+    from types import SimpleNamespace
+
+    method = _method(tiny_sd, "ect")
+    method.student, method.curriculum_steps = _Linear(), None  # the stages from trainer.max_steps, the default
+    method._trainer = SimpleNamespace(global_step=step, max_steps=max_steps)  # what loss reads of the Trainer
+    n, seed = 8, 3
+    mean = torch.randn(n, 4, 8, 8, generator=torch.Generator().manual_seed(7))
+    batch = {"latent_mean": mean, "latent_std": torch.zeros_like(mean), "caption": ["a handwritten digit three"] * n}
+    loss = method.loss(batch, torch.Generator().manual_seed(seed))
+    loss.backward()
+    got_grad = torch.stack([method.student.w.grad, method.student.b.grad])
+
+    # by hand, drawing in the loss's order: the latent posterior's noise, t, then eps
+    g = torch.Generator().manual_seed(seed)
+    torch.randn(mean.shape, generator=g)  # the posterior draw (std 0: x0 is the mean)
+    x0 = mean * method.vae.config.scaling_factor
+    sigmas = ((1 - method.alphas_cumprod.double()) / method.alphas_cumprod.double()).sqrt().numpy()
+    lo, hi = sigmas[1], sigmas[-1]
+    a, b = (norm.cdf((np.log(v) + 1.1) / 2.0) for v in (lo, hi))
+    u = torch.rand(n, generator=g, dtype=torch.float64).numpy()
+    t = np.exp(-1.1 + 2.0 * norm.ppf(a + (b - a) * u))
+    stage = 8 * step // max_steps
+    r = np.clip(t * (1 - (1 + 8 / (1 + np.exp(t))) / 2 ** (stage + 1)), 0, None)
+    eps = torch.randn(x0.shape, generator=g)
+    if step == 0:
+        assert (r == 0).any() and (r > 0).any()  # both branches in the batch
+    else:
+        assert (r > 0).all()
+    cond = method.conditioner(batch)["encoder_hidden_states"]
+
+    def f(net, sigma):  # sigma: (n,) numpy; the sample x0 + sigma eps in the VP view the teacher takes
+        tau = np.interp(np.log(sigma), np.log(sigmas), np.arange(len(sigmas)))  # linear in log sigma
+        s = torch.tensor(sigma, dtype=torch.float32).view(-1, 1, 1, 1)
+        alpha, sd = 1 / (1 + s ** 2).sqrt(), s / (1 + s ** 2).sqrt()
+        x_vp = (x0 + s * eps) * alpha
+        eps_hat = net(x_vp, torch.tensor(tau), encoder_hidden_states=cond).sample
+        x0_hat = (x_vp - sd * eps_hat) / alpha
+        scaled = torch.tensor(10.0 * tau, dtype=torch.float32).view(-1, 1, 1, 1)
+        c_skip, c_out = 0.25 / (scaled ** 2 + 0.25), scaled / (scaled ** 2 + 0.25).sqrt()
+        return c_skip * x_vp + c_out * x0_hat
+
+    ref = _Linear()
+    f_t = f(ref, t)
+    live = r > 0
+    with torch.no_grad():
+        f_r = x0.clone()
+        f_r[torch.from_numpy(live)] = f(ref, np.where(live, r, 1.0))[torch.from_numpy(live)]
+    weight = torch.tensor(1 / (t - r), dtype=torch.float32)
+    want = ((f_t - f_r).flatten(1).norm(dim=1) * weight).mean()
+    want.backward()
+    want_grad = torch.stack([ref.w.grad, ref.b.grad])
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-7)
+
+    if live.any():  # the same loss with a gradient through f_r: a different gradient, so the check above can fail
+        ref2 = _Linear()
+        f_r2 = torch.where(torch.from_numpy(live).view(-1, 1, 1, 1), f(ref2, np.where(live, r, 1.0)), x0)
+        (((f(ref2, t) - f_r2).flatten(1).norm(dim=1) * weight).mean()).backward()
+        assert not torch.allclose(torch.stack([ref2.w.grad, ref2.b.grad]), want_grad, rtol=1e-3)

@@ -9,8 +9,8 @@ parametrisation.
   curriculum); the pair (sigma_i, sigma_{i+1}) drawn with lognormal probabilities; loss weight
   1 / (sigma_{i+1} - sigma_i); pseudo-Huber distance with c = 0.00054 sqrt(d); no EMA target.
 - ECT: continuous t ~ lognormal, r = t (1 - n(t) / q^(stage+1)) with n(t) = 1 + k sigmoid(-b t), clamped at 0
-  (r = 0: the target is the data, i.e. diffusion training); the stage doubles every ``double_every`` steps, so
-  t - r shrinks towards the consistency limit; loss sqrt(||delta||^2 + c^2) - c (c = 0: the L2 norm, the paper's
+  (r = 0: the target is the data, i.e. diffusion training); the run is split into ``stages`` equal parts (the
+  paper's 8: 200k iterations, one stage per 25k), so t - r halves at each and shrinks towards the consistency limit; loss sqrt(||delta||^2 + c^2) - c (c = 0: the L2 norm, the paper's
   adaptive weighting with p = 1/2) weighted by 1 / (t - r).
 
 All functions are pure (tensors in, tensors out); the training method is ``distill.methods.consistency_training``.
@@ -70,11 +70,12 @@ def ect_r(t: torch.Tensor, stage: int, q: float = 2.0, k: float = 8.0, b: float 
     return (t * (1 - n / q ** (stage + 1))).clamp(min=0)
 
 
-def ect_stage(step: int, double_every: int) -> int:
-    """The stage of the mapping at ``step``: t - r halves every ``double_every`` steps."""
-    if double_every < 1:
-        raise ValueError(f"double_every={double_every} must be >= 1")
-    return step // double_every
+def ect_stage(step: int, total_steps: int, stages: int) -> int:
+    """The stage of the mapping at ``step`` of a ``total_steps`` run split into ``stages`` equal parts: floor(step
+    stages / total), the last stage kept from the final step on (ECT's run: 8 stages, t - r halving 7 times)."""
+    if total_steps < 1 or stages < 1:
+        raise ValueError(f"total_steps={total_steps}, stages={stages}: both must be >= 1")
+    return min(stages - 1, step * stages // total_steps)
 
 
 def lognormal_sigmas(n: int, p_mean: float = -1.1, p_std: float = 2.0, generator: torch.Generator | None = None,

@@ -55,13 +55,13 @@ class ConsistencyTraining(TeacherStudentDistillation):
         rho: float = 7.0,
         s0: int = 10,  # curriculum N(k) from s0 + 1 to s1 + 1 noise levels
         s1: int = 1280,
-        curriculum_steps: int | None = None,  # K of N(k); None: trainer.max_steps
+        curriculum_steps: int | None = None,  # the curricula's length (iCT's K of N(k), ECT's stages); None: max_steps
         huber_c: float | None = None,  # iCT's pseudo-Huber c; None: 0.00054 sqrt(d)
         # ECT
         q: float = 2.0,
         k: float = 8.0,
         b: float = 1.0,
-        double_every: int = 100,  # steps between halvings of t - r
+        stages: int = 8,  # ECT's stages over the curriculum's length (the paper's 8): t - r halves at each
         ect_c: float = 0.0,  # sqrt(||d||^2 + c^2) - c; 0: the L2 norm (the paper's adaptive weighting, p = 1/2)
         timestep_scaling: float = 10.0,  # ect: LCM's boundary scalings (LCMScheduler's fixed values)
         cache_prompts: bool = True,
@@ -73,8 +73,8 @@ class ConsistencyTraining(TeacherStudentDistillation):
         ct.check_sigma_range(sigma_min, sigma_max)
         if s0 < 1 or s1 < s0:
             raise ValueError(f"method.s0={s0}, method.s1={s1}: the curriculum needs 1 <= s0 <= s1 (N = s + 1 >= 2)")
-        if double_every < 1:
-            raise ValueError(f"method.double_every={double_every} must be >= 1")
+        if stages < 1:
+            raise ValueError(f"method.stages={stages} must be >= 1 (ECT's mapping needs at least one stage)")
         if p_std <= 0 or sigma_data <= 0:
             raise ValueError(f"method.p_std={p_std}, method.sigma_data={sigma_data}: both must be > 0")
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=1.0, guidance_scale_max=1.0,
@@ -99,7 +99,7 @@ class ConsistencyTraining(TeacherStudentDistillation):
         self.variant, self.p_mean, self.p_std, self.sigma_data = variant, p_mean, p_std, sigma_data
         self.sigma_min, self.sigma_max, self.rho, self.s0, self.s1 = sigma_min, sigma_max, rho, s0, s1
         self.curriculum_steps, self.huber_c = curriculum_steps, huber_c
-        self.q, self.k, self.b, self.double_every, self.ect_c = q, k, b, double_every, ect_c
+        self.q, self.k, self.b, self.stages, self.ect_c = q, k, b, stages, ect_c
         self.timestep_scaling = timestep_scaling
         self.prediction_type = teacher.prediction_type
         default = {"name": "cm" if variant == "ict" else "lcm", "num_inference_steps": 2, "guidance_scale": 1.0}
@@ -133,7 +133,7 @@ class ConsistencyTraining(TeacherStudentDistillation):
     def _curriculum_total(self) -> int:
         total = self.curriculum_steps or (self.trainer.max_steps if self._trainer is not None else -1)
         if total is None or total < 1:
-            raise ValueError("method.variant=ict needs the curriculum's length: set trainer.max_steps or "
+            raise ValueError(f"method.variant={self.variant} needs the curriculum's length: set trainer.max_steps or "
                              "method.curriculum_steps")
         return total
 
@@ -150,14 +150,18 @@ class ConsistencyTraining(TeacherStudentDistillation):
         """(r, t, None, None) for n examples: t lognormal truncated to the teacher's noise range above its first
         timestep (at timestep 0 LCM's c_out is 0: the network's output would drop out, so a clamped draw would train
         nothing), at stratified quantiles with ``method.noise.stratified``; r = ECT's mapping of t."""
-        unit = stratified_unit(n, generator) if self.noise.stratified else None
-        t = ct.truncated_lognormal_sigmas(n, float(self.vp_sigmas[1]), float(self.vp_sigmas[-1]), self.p_mean,
-                                          self.p_std, generator, unit=unit)
-        return ct.ect_r(t, ct.ect_stage(step, self.double_every), self.q, self.k, self.b), t, None, None
+        m = self.distinct_rows(n)  # antithetic pairs: their partners repeat the times
+        unit = stratified_unit(m, generator) if self.noise.stratified else None
+        t = self.paired(ct.truncated_lognormal_sigmas(m, float(self.vp_sigmas[1]), float(self.vp_sigmas[-1]),
+                                                      self.p_mean, self.p_std, generator, unit=unit), n)
+        # step 0 is stage 0 for any length (a loss called outside a Trainer has no max_steps to read)
+        stage = ct.ect_stage(step, self._curriculum_total(), self.stages) if step else 0
+        return ct.ect_r(t, stage, self.q, self.k, self.b), t, None, None
 
     # ------------------------------------------------------------------ objective
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)
         n, device = x0.shape[0], x0.device
         step = self.global_step if self._trainer is not None else 0
@@ -234,5 +238,5 @@ class ConsistencyTraining(TeacherStudentDistillation):
         if self.variant == "ict":
             info.update(sigma_min=self.sigma_min, sigma_max=self.sigma_max, rho=self.rho)
         else:
-            info.update(timestep_scaling=self.timestep_scaling, double_every=self.double_every)
+            info.update(timestep_scaling=self.timestep_scaling, stages=self.stages)
         return info
