@@ -10,7 +10,8 @@ joined by ``+`` (``pruned50+qkv``; fusions alone apply to the teacher):
 
 * ``teacher``: the pipeline's own UNet, the reference of the speed-ups and output differences;
 * ``prunedNN``: ``distill.compress.prune.prune_unet(unet, NN/100, target="flops")``, magnitude importance: NN% of
-  the FLOPs removed by structured pruning, the teacher's weights not retrained;
+  the FLOPs removed by structured pruning, counted at the tokenizer's text length as ``student=pruned`` counts
+  them (so that ``pruned50`` is the network ``+exp=compress`` trains), the teacher's weights not retrained;
 * ``lowrankNN``: ``distill.compress.lowrank.lowrank_unet(unet, budget=NN/100)``: truncated SVD keeping NN% of the
   factorisable weight parameters, not retrained;
 * ``qkv``, ``channels_last``, ``compile``: ``distill.compress.fusion.fuse_unet`` (fused QKV projections,
@@ -34,7 +35,9 @@ export's own intended call is not used), a fixed generator and ``output_type="pt
   largest batch above what was allocated before it (CUDA: ``torch.cuda.max_memory_allocated``; CPU: the running
   sum of the CPU allocations and frees torch's profiler records with ``profile_memory=True``; the process's
   resident set is not used: in one process the allocator keeps what earlier calls freed, so its deltas read ~0);
-* speed-up: the teacher's sample time over the variant's, per round, median over rounds;
+* speed-up: the teacher's sample time over the variant's, per round, median over rounds (median of ratios);
+  beside it the teacher's median sample time over the variant's (ratio of medians): the two differ when the
+  machine's load drifts between rounds;
 * max output diff: max |unet(x) - teacher(x)| / max |teacher(x)| on the fixed UNet input of batch 1; fusions are
   checked in float32 against 1e-5 (``qkv``, ``channels_last``) or 1e-4 (with ``compile``), compared with their
   unfused base: the teacher, or another base where that is among the variants too (else not checked). The
@@ -144,15 +147,18 @@ def parse_exports(items: list[str]) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------- building
 
 
-def _base_unet(base: str, teacher: nn.Module, exports: dict[str, str]) -> tuple[nn.Module, str, dict]:
-    """(a fresh UNet for ``base``, what its weights are, the compression report as a dict)."""
+def _base_unet(base: str, teacher: nn.Module, exports: dict[str, str],
+               text_len: int) -> tuple[nn.Module, str, dict]:
+    """(a fresh UNet for ``base``, what its weights are, the compression report as a dict); ``text_len``: the
+    text tokens at which pruning counts FLOPs (the pruning stop point depends on it)."""
     if base == "teacher":
         return copy.deepcopy(teacher), "teacher", {}
     if base in exports:
         return load_pipeline(exports[base]).unet.eval(), f"trained: {exports[base]}", {}
     kind, percent = re.fullmatch(r"(pruned|lowrank)(\d+)", base).groups()
     if kind == "pruned":
-        unet, report = prune_unet(teacher, int(percent) / 100, target="flops")
+        unet, report = prune_unet(teacher, int(percent) / 100, target="flops",
+                                  example_inputs=unet_example_inputs(teacher, text_len=text_len))
         return unet.eval(), "teacher's, pruned, not retrained", {
             "achieved": report.achieved, "params_before": report.params_before, "params_after": report.params_after,
             "flops_before": report.flops_before, "flops_after": report.flops_after}
@@ -160,13 +166,13 @@ def _base_unet(base: str, teacher: nn.Module, exports: dict[str, str]) -> tuple[
     return unet.eval(), "teacher's, SVD-truncated, not retrained", {"ranks": report.ranks}
 
 
-def build_variant(spec: Spec, teacher: nn.Module, exports: dict[str, str]) -> Variant:
+def build_variant(spec: Spec, teacher: nn.Module, exports: dict[str, str], text_len: int) -> Variant:
     """The variant's UNet on the CPU in float32, fused but not yet compiled (FLOPs are counted first)."""
     start = time.perf_counter()
     if spec.base == "teacher" and not spec.fusions:
         unet, weights, report = teacher, "teacher", {}
     else:
-        unet, weights, report = _base_unet(spec.base, teacher, exports)
+        unet, weights, report = _base_unet(spec.base, teacher, exports, text_len)
     applied = []
     if "qkv" in spec.fusions or "channels_last" in spec.fusions:
         unet, applied = fuse_unet(unet, qkv="qkv" in spec.fusions, channels_last="channels_last" in spec.fusions)
@@ -305,6 +311,16 @@ def run_rounds(bench: Bench, variants: list[Variant], units: dict[str, dict], ro
         print(f"round {r + 1}/{rounds}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
+def median_of_ratios(reference_s: list[float], variant_s: list[float]) -> float:
+    """Median over rounds of the round's speed-up: what the machine's load shares within a round cancels."""
+    return statistics.median(r / v for r, v in zip(reference_s, variant_s))
+
+
+def ratio_of_medians(reference_s: list[float], variant_s: list[float]) -> float:
+    """The reference's median time over the variant's: the speed-up of the typical call."""
+    return statistics.median(reference_s) / statistics.median(variant_s)
+
+
 def summarise(variants: list[Variant], units: dict[str, dict], bench: Bench, batch_sizes: list[int]) -> None:
     """Medians over rounds, per-round speed-ups against the teacher, and the peak memory, into v.result."""
     teacher = variants[0].result["rounds_s"]
@@ -315,8 +331,8 @@ def summarise(variants: list[Variant], units: dict[str, dict], bench: Bench, bat
             per = 1 if key.startswith("unet") else images  # UNet: per call; sampling: per image
             ms[key] = statistics.median(rounds[key]) * 1e3 / per
         v.result["ms"] = ms
-        v.result["speedup"] = {key: statistics.median(t / s for t, s in zip(teacher[key], rounds[key]))
-                               for key in rounds}
+        v.result["speedup"] = {key: median_of_ratios(teacher[key], rounds[key]) for key in rounds}
+        v.result["speedup_of_medians"] = {key: ratio_of_medians(teacher[key], rounds[key]) for key in rounds}
         largest = batch_sizes[-1]
         v.result["images_per_s"] = largest / statistics.median(rounds[f"sample_b{largest}"])
         bench.pipe.unet = v.unet
@@ -347,7 +363,8 @@ def table(variants: list[Variant], batch_sizes: list[int]) -> str:
     head = (["variant", "weights", "params", "GFLOPs/UNet call (1 sample)"]
             + [f"UNet ms batch {b}" for b in batch_sizes] + [f"sample ms/image batch {b}" for b in batch_sizes]
             + [f"images/s batch {largest}", f"peak memory MB (batch {largest})"]
-            + [f"speed-up batch {b}" for b in batch_sizes] + ["max output diff"])
+            + [f"speed-up batch {b}: median of ratios / ratio of medians" for b in batch_sizes]
+            + ["max output diff"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in variants:
         r = v.result
@@ -358,7 +375,8 @@ def table(variants: list[Variant], batch_sizes: list[int]) -> str:
                  + [f"{r['ms'][f'unet_b{b}']:.2f}" for b in batch_sizes]
                  + [f"{r['ms'][f'sample_b{b}']:.1f}" for b in batch_sizes]
                  + [f"{r['images_per_s']:.1f}", f"{r['peak_memory_mb']:.1f}"]
-                 + [f"{r['speedup'][f'sample_b{b}']:.2f}" for b in batch_sizes] + [diff])
+                 + [f"{r['speedup'][f'sample_b{b}']:.2f} / {r['speedup_of_medians'][f'sample_b{b}']:.2f}"
+                    for b in batch_sizes] + [diff])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -431,7 +449,7 @@ def measure(args: argparse.Namespace, specs: list[Spec], exports: dict[str, str]
     teacher = pipe.unet.eval()
     variants = []
     for spec in specs:
-        variants.append(build_variant(spec, teacher, exports))
+        variants.append(build_variant(spec, teacher, exports, pipe.tokenizer.model_max_length))
         print(f"built {spec.name} in {variants[-1].build_s:.1f} s", file=sys.stderr, flush=True)
     with torch.no_grad():  # pruning above traces with autograd
         return variants, time_variants(args, pipe, variants)

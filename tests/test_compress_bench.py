@@ -69,3 +69,24 @@ def test_tiny_run_measures_every_variant_and_fusions_match_their_base(tmp_path, 
     assert out["out_of_tolerance"] == [] and out["threads"] == torch.get_num_threads()
     table = capsys.readouterr().out
     assert "| qkv | teacher | 1.592M |" in table and "| kd+qkv | trained: " in table
+
+
+def test_speed_ups_are_reported_as_median_of_ratios_and_ratio_of_medians():
+    teacher, variant = [4.0, 5.0, 9.0], [2.0, 4.0, 3.0]  # per-round seconds; per-round ratios 2, 1.25, 3
+    assert compress_latency.median_of_ratios(teacher, variant) == 2.0
+    assert compress_latency.ratio_of_medians(teacher, variant) == pytest.approx(5.0 / 3.0)
+
+
+def test_pruned_variant_is_the_network_the_compress_experiment_trains():
+    """prunedNN counts FLOPs at the tokenizer's text length as student=pruned does: at 77 tokens (torch's
+    SD default) the stop point moved and pruned50 was another network (0.801M parameters against 0.822M)."""
+    from distill.assets import asset_path
+    from distill.compress.students import pruned_student
+    from distill.inference.loading import load_pipeline
+
+    pipe = load_pipeline(str(asset_path("teacher")))
+    trained = pruned_student(pipe.unet, 0.5, teacher=pipe)  # conf/student/pruned.yaml's defaults
+    unet, _, report = compress_latency._base_unet("pruned50", pipe.unet, {}, pipe.tokenizer.model_max_length)
+    shapes = {k: t.shape for k, t in unet.state_dict().items()}
+    assert shapes == {k: t.shape for k, t in trained.state_dict().items()}
+    assert report["params_after"] == sum(p.numel() for p in trained.parameters())
