@@ -56,11 +56,13 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         save_grid,
         write_csv,
     )
+    from distill.models.teacher import check_family, pipeline_configs
 
     missing = missing_keys(cfg)
     if missing:
         raise ValueError(f"required value(s) missing: {', '.join(missing)}; set them on the command line, e.g. "
                          f"{missing[0]}=...")
+    check_family(cfg.pipeline, pipeline_configs(cfg.pipeline), key="pipeline")  # from its configs, before any weights
     names = list(cfg.schedulers) if cfg.schedulers else [cfg.scheduler.name]
     for name in names:
         if name not in SCHEDULERS:

@@ -34,8 +34,52 @@ class Teacher:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
 
+def pipeline_configs(name_or_path: str | Path, revision: str | None = None) -> dict[str, dict]:
+    """model_index.json, the scheduler's and the UNet's config of a pipeline folder or hub id, by component
+    ("pipeline", "scheduler", "unet"; {} for a file it lacks). Only these JSON files are read (for a hub id,
+    downloaded): enough to tell the model family before any weights load."""
+    files = {"pipeline": "model_index.json", "scheduler": "scheduler/scheduler_config.json", "unet": "unet/config.json"}
+    path = Path(name_or_path)
+    if path.exists():
+        return {k: json.loads((path / f).read_text()) if (path / f).is_file() else {} for k, f in files.items()}
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import EntryNotFoundError
+
+    configs = {}
+    for key, name in files.items():
+        try:
+            configs[key] = json.loads(Path(hf_hub_download(str(name_or_path), name, revision=revision)).read_text())
+        except EntryNotFoundError:
+            configs[key] = {}
+    return configs
+
+
+def is_flow_matching(scheduler_config: dict) -> bool:
+    """A flow-matching schedule (SD3, Flux, Sana: FlowMatch* schedulers, flow sigmas or flow prediction)."""
+    return (str(scheduler_config.get("_class_name", "")).startswith("FlowMatch")
+            or bool(scheduler_config.get("use_flow_sigmas")) or scheduler_config.get("prediction_type") == "flow_prediction")
+
+
+def check_family(name_or_path: str | Path, configs: dict[str, dict], key: str = "teacher.pretrained_model_name_or_path") -> None:
+    """Refuse, from the configs alone (``pipeline_configs``), a pipeline of a family distill does not run yet:
+    flow matching (its schedule is not the discrete VP one every sampler and method here steps) and SDXL (two
+    text encoders and micro-conditioning the UNet needs at every call)."""
+    scheduler, pipeline, unet = configs["scheduler"], configs["pipeline"], configs["unet"]
+    if is_flow_matching(scheduler):
+        raise ValueError(
+            f"{key}={str(name_or_path)!r} samples with {scheduler.get('_class_name', 'a flow-matching scheduler')} "
+            "(flow matching), which distill does not support yet: its samplers and methods step discrete-time "
+            "VP (DDPM-family) schedules; give an SD-1.x/2.x pipeline")
+    if ("text_encoder_2" in pipeline or str(pipeline.get("_class_name", "")).startswith("StableDiffusionXL")
+            or unet.get("addition_embed_type") == "text_time"):
+        raise ValueError(
+            f"{key}={str(name_or_path)!r} is an SDXL pipeline ({pipeline.get('_class_name', 'text_time UNet')}: two "
+            "text encoders, micro-conditioning), which distill does not support yet; give an SD-1.x/2.x pipeline")
+
+
 def check_pipeline_folder(path: str | Path) -> dict:
-    """model_index.json of a local pipeline folder, with a clear error for anything else."""
+    """model_index.json of a local Stable-Diffusion-format pipeline folder, with a clear error for anything
+    else (another family, a missing component or folder, an unsupported prediction type)."""
     path = Path(path)
     index = path / "model_index.json"
     if not index.is_file():
@@ -43,17 +87,23 @@ def check_pipeline_folder(path: str | Path) -> dict:
             f"teacher.pretrained_model_name_or_path={str(path)!r} is not a diffusers pipeline folder "
             "(no model_index.json); give a StableDiffusionPipeline folder or a hub id"
         )
-    spec = json.loads(index.read_text())
+    configs = pipeline_configs(path)
+    check_family(path, configs)
+    spec = configs["pipeline"]
     missing = [k for k in REQUIRED if k not in spec]
     if missing:
         raise ValueError(f"teacher pipeline {str(path)!r} lacks {missing}; a Stable-Diffusion-format pipeline has {list(REQUIRED)}")
-    sched = path / "scheduler" / "scheduler_config.json"
-    if sched.is_file():
-        prediction_type = json.loads(sched.read_text()).get("prediction_type", "epsilon")
-        if prediction_type not in PREDICTION_TYPES:
-            raise ValueError(
-                f"teacher {str(path)!r} has prediction_type={prediction_type!r}; supported: {list(PREDICTION_TYPES)}"
-            )
+    absent = [k for k in REQUIRED if not (path / k).is_dir()]
+    if absent:
+        raise FileNotFoundError(
+            f"teacher.pretrained_model_name_or_path={str(path)!r}: model_index.json names {absent} but the folder has "
+            f"no {', '.join(k + '/' for k in absent)}; copy those folders from the pipeline it was saved from "
+            "(StableDiffusionPipeline.save_pretrained writes all of them)")
+    prediction_type = configs["scheduler"].get("prediction_type", "epsilon")
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(
+            f"teacher {str(path)!r} has prediction_type={prediction_type!r}; supported: {list(PREDICTION_TYPES)}"
+        )
     return spec
 
 
@@ -64,6 +114,8 @@ def load_teacher(pretrained_model_name_or_path: str, revision: str | None = None
 
     if Path(pretrained_model_name_or_path).exists():
         check_pipeline_folder(pretrained_model_name_or_path)
+    else:  # a hub id: its configs are fetched (not its weights) to refuse another family first
+        check_family(pretrained_model_name_or_path, pipeline_configs(pretrained_model_name_or_path, revision))
     dtype = getattr(torch, torch_dtype) if torch_dtype else None
     pipe = StableDiffusionPipeline.from_pretrained(
         pretrained_model_name_or_path, revision=revision, variant=variant, torch_dtype=dtype,

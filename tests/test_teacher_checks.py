@@ -1,0 +1,121 @@
+"""Teachers and pipelines of families distill does not run yet (flow matching, SDXL) are refused from their
+configs alone, before any weights load, through the commands users call; and a plain pipeline is sampled with
+its own pipeline's default guidance."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from distill.assets import asset_path
+from tests.conftest import ROOT, run_train
+
+TEACHER = Path(asset_path("teacher"))
+
+
+def configs_only(folder: Path, scheduler: dict | None = None, pipeline: dict | None = None,
+                 unet: dict | None = None) -> Path:
+    """The shipped teacher's JSON files and nothing else (no weights), with the given keys changed."""
+    for config in TEACHER.rglob("*.json"):
+        target = folder / config.relative_to(TEACHER)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(config, target)
+    for name, changes in (("scheduler/scheduler_config.json", scheduler), ("model_index.json", pipeline),
+                          ("unet/config.json", unet)):
+        if changes is not None:
+            path = folder / name
+            path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return folder
+
+
+def flow_matching(folder: Path) -> Path:
+    """An SD-layout folder whose scheduler is diffusers' FlowMatchEulerDiscreteScheduler (as SD3 and Flux ship)."""
+    configs_only(folder)
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_config(folder / "scheduler")
+    return folder
+
+
+SDXL_INDEX = {"_class_name": "StableDiffusionXLPipeline", "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+              "tokenizer_2": ["transformers", "CLIPTokenizer"]}
+SDXL_UNET = {"addition_embed_type": "text_time", "addition_time_embed_dim": 256}
+
+
+def _evaluate(*overrides, tmp_path):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "distill.evaluate", *overrides, f"hydra.run.dir={tmp_path / 'eval'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_a_flow_matching_teacher_is_refused_by_train_before_any_weights_load(tmp_path):
+    teacher = flow_matching(tmp_path / "sd3_like")
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={teacher}", f"hydra.run.dir={run_dir}",
+                     "logger=csv", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "FlowMatchEulerDiscreteScheduler (flow matching)" in proc.stderr  # was: 'FrozenDict' ... 'prediction_type'
+    assert "teacher.pretrained_model_name_or_path" in proc.stderr and not run_dir.exists()
+
+
+def test_a_flow_matching_pipeline_is_refused_by_evaluate(tmp_path):
+    proc = _evaluate(f"pipeline={flow_matching(tmp_path / 'sd3_like')}", tmp_path=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]  # was 0: sampled with DDPM betas and epsilon prediction
+    assert "pipeline=" in proc.stderr and "FlowMatchEulerDiscreteScheduler (flow matching)" in proc.stderr
+    assert not (tmp_path / "eval" / "quality_cost.csv").exists()
+
+
+@pytest.mark.slow  # a process start (~15-50 s); test_each_sign_of_sdxl_is_refused_at_validation covers it in-process
+def test_an_sdxl_teacher_is_refused_by_train_before_any_weights_load(tmp_path):
+    teacher = configs_only(tmp_path / "sdxl", pipeline=SDXL_INDEX, unet=SDXL_UNET)
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={teacher}", f"hydra.run.dir={run_dir}",
+                     "logger=csv", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]  # was: a crash at the first step (added_cond_kwargs None)
+    assert "is an SDXL pipeline (StableDiffusionXLPipeline" in proc.stderr and not run_dir.exists()
+
+
+@pytest.mark.parametrize("pipeline, unet", [(SDXL_INDEX, None), ({"text_encoder_2": SDXL_INDEX["text_encoder_2"]}, None),
+                                            (None, SDXL_UNET)])
+def test_each_sign_of_sdxl_is_refused_at_validation(compose, tmp_path, pipeline, unet):
+    from distill.config.validate import ConfigError, validate
+
+    teacher = configs_only(tmp_path / "sdxl", pipeline=pipeline, unet=unet)
+    cfg = compose("+exp=consistency", f"teacher.pretrained_model_name_or_path={teacher}")
+    with pytest.raises(ConfigError, match="is an SDXL pipeline"):
+        validate(cfg)
+
+
+def test_a_hub_teacher_is_checked_from_its_configs_before_its_weights(tmp_path, monkeypatch):
+    """A hub id: model_index.json and the scheduler and UNet configs are fetched; the weights never are."""
+    import diffusers
+    import huggingface_hub
+
+    from distill.models.teacher import load_teacher
+
+    local = configs_only(tmp_path / "hub", pipeline=SDXL_INDEX, unet=SDXL_UNET)
+    fetched = []
+
+    def download(repo_id, filename, revision=None, **_):
+        fetched.append((repo_id, filename, revision))
+        return str(local / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(diffusers.StableDiffusionPipeline, "from_pretrained",
+                        classmethod(lambda *a, **k: pytest.fail("weights loaded before the family check")))
+    with pytest.raises(ValueError, match="'someone/sdxl-base' is an SDXL pipeline"):
+        load_teacher("someone/sdxl-base", revision="main")
+    assert [f for _, f, _ in fetched] == ["model_index.json", "scheduler/scheduler_config.json", "unet/config.json"]
+    assert {(r, v) for r, _, v in fetched} == {("someone/sdxl-base", "main")}
+
+
+def test_a_teacher_folder_without_its_tokenizer_folder_is_refused_naming_it(compose, tmp_path):
+    from distill.config.validate import ConfigError, validate
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(TEACHER, teacher, ignore=shutil.ignore_patterns("tokenizer"))
+    cfg = compose("+exp=consistency", f"teacher.pretrained_model_name_or_path={teacher}")
+    with pytest.raises(ConfigError, match=r"names \['tokenizer'\] but the folder has no tokenizer/"):
+        validate(cfg)  # was: OverflowError: int too big to convert, from the tokenizer's loader
