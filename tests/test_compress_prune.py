@@ -2,6 +2,8 @@
 one pruning group, Diff-Pruning's Taylor importance matches a direct computation, the diffusers export
 round-trips and loads as a pipeline, refusals name the problem and the fix."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -123,6 +125,23 @@ def test_a_vanishing_ratio_gives_the_identical_network(teacher_unet, teacher_inp
         assert torch.equal(pruned(**teacher_inputs).sample, teacher_unet(**teacher_inputs).sample)
 
 
+@pytest.mark.parametrize("prune_heads", [True, False])
+def test_a_frozen_unet_prunes_as_the_same_unet_unfrozen(prune_heads, teacher_unet, teacher_inputs):
+    """What load_teacher returns (requires_grad_(False)) is traced like a trainable UNet (torch-pruning follows
+    grad_fn; a frozen one raised "not in the dependency graph", or removed 0.0% without heads), and the export
+    keeps the frozen flags."""
+    frozen = copy.deepcopy(teacher_unet).requires_grad_(False)
+    settings = {"example_inputs": teacher_inputs, "iterative_steps": 10, "prune_heads": prune_heads}
+    pruned, report = prune_unet(teacher_unet, 0.3, **settings)
+    pruned_frozen, report_frozen = prune_unet(frozen, 0.3, **settings)
+    assert report_frozen.layer_shapes == report.layer_shapes and report.layer_shapes
+    assert report_frozen.achieved == report.achieved and report.achieved == pytest.approx(0.3, abs=0.015)
+    state, state_frozen = pruned.state_dict(), pruned_frozen.state_dict()
+    assert state.keys() == state_frozen.keys() and all(torch.equal(state[k], state_frozen[k]) for k in state)
+    assert not any(p.requires_grad for m in (frozen, pruned_frozen) for p in m.parameters())
+    assert all(p.requires_grad for p in pruned.parameters())
+
+
 @pytest.fixture(scope="module")
 def calib():
     g = torch.Generator().manual_seed(1)
@@ -175,6 +194,35 @@ def test_taylor_gradient_is_the_sum_over_timesteps_and_the_threshold_drops_late_
     assert used == [0, 250, 500]
     grads, _ = _direct_gradients(model, calib, scheduler, [0, 250, 500])
     torch.testing.assert_close(model.conv_in.weight.grad, grads["conv_in.weight"], rtol=1e-4, atol=1e-7)
+
+
+def test_default_timesteps_are_diff_prunings_loop_over_every_timestep(teacher_unet, teacher_inputs, calib,
+                                                                      scheduler):
+    """Diff-Pruning's ddpm_prune.py, written out: for step_k in range(T): loss at t = step_k, backward (the
+    gradients add up), loss_max = max(loss_max, loss), break if loss < loss_max * thr. Every timestep from 0 on,
+    the one that breaks included; distill used every 10th (every 3rd at T = 300). T = 300 and thr = 0.95 keep the
+    loop short (the eps loss falls below 95% of its maximum at the 12th step)."""
+    schedule = DDPMScheduler.from_config(scheduler.config, num_train_timesteps=300)
+    x0, cond = calib[0]
+    noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))  # distill's noise of batch 0
+    reference = copy.deepcopy(teacher_unet)
+    loss_max, used = 0.0, []
+    for step_k in range(schedule.config.num_train_timesteps):
+        t = torch.full((x0.shape[0],), step_k)
+        loss = F.mse_loss(reference(schedule.add_noise(x0, noise, t), t, cond).sample, noise)
+        loss.backward()
+        used.append(step_k)
+        loss_max = max(loss_max, float(loss))
+        if float(loss) < loss_max * 0.95:
+            break
+    assert 5 < len(used) < 30 and used == list(range(len(used)))
+    model = copy.deepcopy(teacher_unet)
+    assert accumulate_taylor_gradients(model, [calib[0]], schedule, threshold=0.95)[0] == used
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+    _, report = prune_unet(teacher_unet, 0.2, importance="taylor", calib=[calib[0]], noise_scheduler=schedule,
+                           threshold=0.95, example_inputs=teacher_inputs, iterative_steps=10)
+    assert report.timesteps == used
 
 
 def test_taylor_pruning_removes_the_channels_of_least_direct_taylor_score(teacher_unet, teacher_inputs, calib,

@@ -12,7 +12,9 @@ together. Channel importance is either
   calibration batches. Timesteps run from low to high noise and the sum stops after the first step whose
   loss falls below ``threshold`` times the largest loss so far (that step included, as in the reference
   code): the late, high-noise steps, which carry little structural information, are left out. The defaults
-  follow the reference: threshold 0.05 over every 10th training timestep.
+  follow the reference (``ddpm_prune.py``: ``for step_k in range(1000)``): threshold 0.05 over every training
+  timestep, one forward and backward pass per calibration batch and step until the threshold stops it (a
+  trained UNet's loss falls slowly: most of the schedule); pass ``timesteps`` to thin them.
 
 Pruning is iterative (torch-pruning's ``iterative_steps``): step k removes the fraction 0.9 k / steps of
 every group's channels (``per_block=True``, the default: the same fraction in every group, a uniform width
@@ -210,18 +212,19 @@ def _batches(calib) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
-def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timesteps: Iterable[int],
+def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timesteps: Iterable[int] | None = None,
                                 threshold: float = 0.0, seed: int = 0) -> tuple[list[int], list[float]]:
     """Leave sum_t dL_t/dw in every parameter's ``.grad`` (Diff-Pruning, Fang, Ma & Wang, NeurIPS 2023).
 
     L_t = mean over the calibration batches (x0 latents (N, C, H, W), text states (N, L, D)) of the
     denoising MSE at timestep t, x_t = alpha_t x0 + sigma_t eps with eps fixed per batch (seeded) and the
-    regression target of the scheduler's ``prediction_type``. Timesteps are taken in ascending order; the
+    regression target of the scheduler's ``prediction_type``. Timesteps (default: every training timestep, as
+    Diff-Pruning's reference) are taken in ascending order; the
     sum stops after the first one whose loss is below ``threshold`` times the largest loss so far (included).
     Returns the timesteps used and their losses."""
     batches = _batches(calib)
     abar_all = noise_scheduler.alphas_cumprod
-    timesteps = sorted(int(t) for t in timesteps)
+    timesteps = sorted(int(t) for t in (range(len(abar_all)) if timesteps is None else timesteps))
     if not timesteps or not 0 <= timesteps[0] <= timesteps[-1] < len(abar_all):
         raise ValueError(f"student.timesteps={timesteps} must be a non-empty set of training timesteps in "
                          f"[0, {len(abar_all)})")
@@ -394,7 +397,9 @@ class _Pruning:
             output_transform=_output)
 
     def fresh_copy(self) -> UNet2DConditionModel:
-        model = copy.deepcopy(self.unet).eval()
+        # torch-pruning traces the dependency graph through autograd's grad_fn, which a frozen UNet (a loaded
+        # teacher) does not record; the export gets the original's flags back (_export)
+        model = copy.deepcopy(self.unet).eval().requires_grad_(True)
         if model.is_gradient_checkpointing:
             model.disable_gradient_checkpointing()
         model.zero_grad(set_to_none=True)
@@ -467,7 +472,7 @@ def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops
     pruning; ``unet`` is left unchanged.
 
     ``importance="taylor"`` needs ``calib`` ((latents, encoder_hidden_states) batches, or a callable returning
-    them) and the ``noise_scheduler`` the UNet was trained with; ``timesteps`` (default: every 10th training timestep) and
+    them) and the ``noise_scheduler`` the UNet was trained with; ``timesteps`` (default: every training timestep) and
     ``threshold`` select Diff-Pruning's steps. ``per_block=True`` removes the same fraction of channels from
     every coupled group (a uniform width multiplier); ``False`` ranks channels over the whole network
     (torch-pruning's global pruning, scores normalised by their group's mean). Heads: every attention layer
@@ -498,9 +503,6 @@ def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops
     params_before, flops_before = _measure(run.model, inputs, "params"), _measure(run.model, inputs, "flops")
     used, losses = [], []
     if importance == "taylor":
-        if timesteps is None:
-            T = noise_scheduler.config.num_train_timesteps
-            timesteps = range(0, T, max(T // 100, 1))  # every 10th of 1000, as the reference
         used, losses = accumulate_taylor_gradients(run.model, calib, noise_scheduler, timesteps, threshold, seed)
 
     model, trajectory, last_step, kept = _prune_to_ratio(run, ratio)
@@ -524,7 +526,10 @@ def _export(unet: UNet2DConditionModel, model: UNet2DConditionModel, changed: Ma
         if not torch.allclose(_output(export(**inputs)), _output(model(**inputs)), atol=1e-5, rtol=1e-4):
             raise RuntimeError("the pruned export does not reproduce the pruned network; a layer type changed "
                                f"by pruning is missing from SHAPE_ATTRS ({sorted(t.__name__ for t in SHAPE_ATTRS)})")
-    return export.train(unet.training).requires_grad_(any(p.requires_grad for p in unet.parameters()))
+    frozen = {name for name, p in unet.named_parameters() if not p.requires_grad}
+    for name, p in export.named_parameters():
+        p.requires_grad_(name not in frozen)
+    return export.train(unet.training)
 
 
 # ---------------------------------------------------------------- unstructured sparsity
