@@ -374,3 +374,51 @@ def test_ect_loss_value_and_gradient_computed_by_hand(tiny_sd, step, max_steps):
         f_r2 = torch.where(torch.from_numpy(live).view(-1, 1, 1, 1), f(ref2, np.where(live, r, 1.0)), x0)
         (((f(ref2, t) - f_r2).flatten(1).norm(dim=1) * weight).mean()).backward()
         assert not torch.allclose(torch.stack([ref2.w.grad, ref2.b.grad]), want_grad, rtol=1e-3)
+
+
+def test_ict_loss_value_and_gradient_computed_by_hand(tiny_sd):
+    """ConsistencyTraining.loss (iCT) against Song & Dhariwal 2023 written out: adjacent Karras levels
+    (sigma_i, sigma_{i+1}) of N(0) = 11; one eps for both points; EDM's parametrisation f = c_skip x + c_out
+    F(c_in x, 250 ln sigma) with sigma_data 1 and the boundary at sigma_min; f at sigma_i under stop-gradient;
+    loss = mean (sqrt(||f_{i+1} - f_i||^2 + c^2) - c) / (sigma_{i+1} - sigma_i), c = 0.00054 sqrt(d)."""
+    method = _method(tiny_sd, "ict")
+    method.student = _Linear()
+    drawn, pairs = [], method.ict_pairs
+
+    def recorded(n, step, generator):  # the real draw, and the generator's state after it (eps is drawn next)
+        drawn.append((pairs(n, step, generator), generator.get_state()))
+        return drawn[-1][0]
+
+    method.ict_pairs = recorded
+    n, seed = 8, 5
+    mean = torch.randn(n, 4, 8, 8, generator=torch.Generator().manual_seed(7))
+    batch = {"latent_mean": mean, "latent_std": torch.zeros_like(mean), "caption": ["a handwritten digit five"] * n}
+    loss = method.loss(batch, torch.Generator().manual_seed(seed))
+    loss.backward()
+    got_grad = torch.stack([method.student.w.grad, method.student.b.grad])
+
+    (lo, hi, _, _), state = drawn[0]
+    lo, hi = lo.numpy(), hi.numpy()
+    levels = (0.002 ** (1 / 7) + np.arange(11) / 10 * (80.0 ** (1 / 7) - 0.002 ** (1 / 7))) ** 7
+    i = np.searchsorted(levels, lo - 1e-12)
+    assert np.allclose(lo, levels[i]) and np.allclose(hi, levels[i + 1])  # adjacent levels of N(0) = 11
+    x0 = mean * method.vae.config.scaling_factor  # latent_std 0: the posterior draw is the mean
+    eps = torch.randn(x0.shape, generator=torch.Generator().set_state(state))
+    cond = method.conditioner(batch)["encoder_hidden_states"]
+
+    def f(net, sigma):
+        s = torch.tensor(sigma, dtype=torch.float32).view(-1, 1, 1, 1)
+        c_skip, c_out = 1 / ((s - 0.002) ** 2 + 1), (s - 0.002) / (s ** 2 + 1).sqrt()
+        x = x0 + s * eps
+        return c_skip * x + c_out * net(x / (s ** 2 + 1).sqrt(), torch.tensor(250 * np.log(sigma)),
+                                        encoder_hidden_states=cond).sample
+
+    ref = _Linear()
+    with torch.no_grad():
+        f_lo = f(ref, lo)
+    c = 0.00054 * math.sqrt(4 * 8 * 8)
+    sq = (f(ref, hi) - f_lo).pow(2).flatten(1).sum(1)
+    want = (((sq + c * c).sqrt() - c) / torch.tensor(hi - lo, dtype=torch.float32)).mean()
+    want.backward()
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_grad, torch.stack([ref.w.grad, ref.b.grad]), rtol=1e-4, atol=1e-7)
