@@ -107,8 +107,12 @@ def discover(paths: list[str | Path]) -> tuple[list[Path], list[Path]]:
 
 
 def _value(column: str, cell: str):
+    from distill.metrics.report import decode_replicates
+
     if column in STRING_COLUMNS:
         return cell
+    if column.endswith("_replicates"):
+        return decode_replicates(cell)
     for kind in (int, float):
         try:
             return kind(cell)

@@ -136,27 +136,30 @@ def test_kid_is_unbiased_at_small_sample_counts_where_fid_is_not():
 def test_a_registered_metric_reaches_every_table_and_csv(monkeypatch, tmp_path):
     """Adding a metric is one class: the evaluator measures it, the CSV, table and console lines show it."""
     from distill.metrics.quality_cost import QualityCostEvaluator
-    from distill.metrics.registry import METRICS, Metric, Samples
+    from distill.metrics.registry import METRICS, Estimate, Metric, Samples, mean_estimate
     from distill.metrics.report import columns, format_quality, format_table, write_csv
+    from distill.report import read_rows
 
     class MeanBrightness(Metric):
         name, label, real_data = "brightness", "bright", True
 
-        def __call__(self, samples: Samples) -> tuple[float, float]:
+        def __call__(self, samples: Samples) -> Estimate:
             values = samples.images.mean(dim=(1, 2, 3))
-            return values.mean().item(), values.std().item() / math.sqrt(len(values))
+            return mean_estimate(values, samples, 20, self.seed, values.std().item() / math.sqrt(len(values)))
 
     monkeypatch.setitem(METRICS, "brightness", MeanBrightness)
     eval_set = instantiate_eval("eval=digits", "eval.metrics=[brightness]", "eval.clip=null")
     evaluator = QualityCostEvaluator(eval_set, num_per_class=2)
     images = torch.linspace(-1, 1, 20).view(20, 1, 1, 1).expand(20, 1, 32, 32)
     row = evaluator.quality(images)
-    assert list(row) == ["brightness", "brightness_std"] and row["brightness"] == pytest.approx(0.0, abs=1e-6)
+    assert list(row) == ["brightness", "brightness_std", "brightness_replicates"]
+    assert row["brightness"] == pytest.approx(0.0, abs=1e-6) and len(row["brightness_replicates"]) == 20
     row.update(model="m", scheduler="ddim", steps=1)
     assert "brightness" in columns() and "bright=" in format_quality(row)
     assert "| brightness |" in format_table([row])
     write_csv([row], tmp_path / "qc.csv")
     assert float(next(csv.DictReader(open(tmp_path / "qc.csv")))["brightness_std"]) == pytest.approx(row["brightness_std"])
+    assert read_rows(tmp_path / "qc.csv")[0]["brightness_replicates"] == pytest.approx(row["brightness_replicates"])
 
 
 # ---------------------------------------------------------------- sources of prompts and references

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from distill import report
-from distill.metrics.report import columns, write_csv
+from distill.metrics.report import columns, replicate_columns, write_csv
 
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                     "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
@@ -114,7 +114,7 @@ def test_table_labels_final_rows_and_front(runs, capsys):
 
     rows = _read(out / "report.csv")
     header = list(rows[0])
-    assert header == ["run", "method.num_ddim_timesteps", "student", "pareto", "dir"] + columns()
+    assert header == ["run", "method.num_ddim_timesteps", "student", "pareto", "dir"] + columns() + replicate_columns()
     got = {(r["run"], r["model"], int(r["steps"])): r for r in rows}
     expected = {(LABELS[job], "student", n): p for job, (_, points) in MULTIRUN.items() for n, p in points.items()}
     expected |= {("teacher", "teacher", n): p for n, p in TEACHER.items()}

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distill.metrics.bootstrap import bootstrap_replicates
+
 DEFAULT_CACHE = Path.home() / ".cache" / "distill" / "fid_reference"
 
 
@@ -36,13 +38,6 @@ def frechet_distance(mu1: torch.Tensor, sigma1: torch.Tensor, mu2: torch.Tensor,
     eigenvalues of S1 S2, as torchmetrics computes it)."""
     root_trace = torch.linalg.eigvals(sigma1 @ sigma2).sqrt().real.sum()
     return float((mu1 - mu2).square().sum() + sigma1.trace() + sigma2.trace() - 2 * root_trace)
-
-
-def resample_indices(strata: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Indices of one bootstrap resample drawn with replacement within each stratum of ``strata`` (N,), each
-    stratum keeping its size (stratified bootstrap, Efron & Tibshirani 1993, sec. 8.3)."""
-    groups = [torch.nonzero(strata == s).flatten() for s in strata.unique()]
-    return torch.cat([g[torch.randint(len(g), (len(g),), generator=generator)] for g in groups])
 
 
 @runtime_checkable
@@ -310,24 +305,29 @@ class FID:
         """FID of generated ``features`` (N, D) against the reference, in float64."""
         return frechet_distance(*self.reference_statistics(), *gaussian_statistics(features))
 
-    def bootstrap_std(self, features: torch.Tensor, num_resamples: int = 50, seed: int = 0,
-                      strata: torch.Tensor | None = None) -> float:
-        """Spread of the FID of ``features`` (N, D): the standard deviation over ``num_resamples`` resamples
-        of the N samples with replacement, the reference fixed (Efron & Tibshirani 1993, Alg. 6.1).
+    def bootstrap_values(self, features: torch.Tensor, num_resamples: int = 50, seed: int = 0,
+                         strata: torch.Tensor | None = None) -> torch.Tensor:
+        """FID of ``features`` (N, D) on each of ``num_resamples`` resamples of the N samples with replacement,
+        the reference fixed (Efron & Tibshirani 1993, Alg. 6.1): (num_resamples,) float64.
 
         ``strata`` (N,) gives each sample's stratum (its class label or prompt id) when the protocol draws a
         fixed number per stratum: resampling within strata keeps that mix, as repeated draws do, whereas
-        pooled resampling (``strata=None``) would add the spread of the mix itself.
+        pooled resampling (``strata=None``) would add the spread of the mix itself. The resamples depend only
+        on ``seed`` and ``strata``, so sets of the same prompts and seeds are resampled together (the paired
+        bootstrap of a difference, ``distill.metrics.bootstrap.difference_std``).
         """
         if strata is not None and strata.shape != (len(features),):
             raise ValueError(f"bootstrap strata of shape {tuple(strata.shape)} for {len(features)} samples; "
                              "pass one stratum id per sample, or strata=None to resample the pool")
         reference = self.reference_statistics()
-        generator = torch.Generator().manual_seed(seed)
-        strata = torch.zeros(len(features), dtype=torch.long) if strata is None else strata.cpu()
-        values = [frechet_distance(*reference, *gaussian_statistics(features[resample_indices(strata, generator)]))
-                  for _ in range(num_resamples)]
-        return float(torch.tensor(values, dtype=torch.float64).std())
+        strata = torch.zeros(len(features), dtype=torch.long) if strata is None else strata
+        return bootstrap_replicates(lambda i: frechet_distance(*reference, *gaussian_statistics(features[i])),
+                                    strata, num_resamples, seed)
+
+    def bootstrap_std(self, features: torch.Tensor, num_resamples: int = 50, seed: int = 0,
+                      strata: torch.Tensor | None = None) -> float:
+        """Spread of the FID of ``features`` (N, D): the standard deviation of ``bootstrap_values``."""
+        return float(self.bootstrap_values(features, num_resamples, seed, strata).std())
 
     @torch.no_grad()
     def features(self, images: torch.Tensor, batch_size: int = 256) -> torch.Tensor:

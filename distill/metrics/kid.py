@@ -12,16 +12,15 @@ import torch
 from torchmetrics.image.kid import poly_mmd
 
 
-def kernel_inception_distance(real: torch.Tensor, fake: torch.Tensor, subsets: int = 100, subset_size: int = 1000,
-                              seed: int = 0) -> tuple[float, float]:
-    """KID of ``fake`` (M, D) against ``real`` (N, D) features: the mean and the (population) standard deviation
-    over ``subsets`` unbiased MMD^2 estimates, each on ``subset_size`` samples of each set drawn without
-    replacement (Binkowski et al. 2018, sec. 3; torchmetrics' ``kid_mean``, ``kid_std``).
+def kid_subset_values(real: torch.Tensor, fake: torch.Tensor, subsets: int = 100, subset_size: int = 1000,
+                      seed: int = 0) -> torch.Tensor:
+    """The ``subsets`` unbiased MMD^2 estimates (subsets,) float64 of ``fake`` (M, D) against ``real`` (N, D), each on
+    ``subset_size`` samples of each set drawn without replacement (Binkowski et al. 2018, sec. 3).
 
     The subset size is capped at half the smaller set, so that a small evaluation set still gives a value and
     the subsets still differ (a subset holding a whole set would repeat it, and its spread would vanish). The
-    std is the spread of one subset's estimate: the mean over subsets varies less, so it is a conservative
-    uncertainty for comparing two rows.
+    subsets depend only on the seed and the set sizes: two sample sets of the same prompts and seeds get the same
+    subsets, so their estimates pair up (``distill.metrics.bootstrap.difference_std``).
     """
     size = min(subset_size, len(real) // 2, len(fake) // 2)
     if size < 2:
@@ -34,5 +33,16 @@ def kernel_inception_distance(real: torch.Tensor, fake: torch.Tensor, subsets: i
         r = real[torch.randperm(len(real), generator=generator)[:size]]
         f = fake[torch.randperm(len(fake), generator=generator)[:size]]
         values.append(poly_mmd(r, f))
-    values = torch.stack(values)
+    return torch.stack(values)
+
+
+def kernel_inception_distance(real: torch.Tensor, fake: torch.Tensor, subsets: int = 100, subset_size: int = 1000,
+                              seed: int = 0) -> tuple[float, float]:
+    """KID of ``fake`` (M, D) against ``real`` (N, D) features: the mean and the (population) standard deviation
+    of ``kid_subset_values`` (torchmetrics' ``kid_mean``, ``kid_std``).
+
+    The std is the spread of one subset's estimate: the mean over subsets varies less, so it is a conservative
+    uncertainty for comparing two rows.
+    """
+    values = kid_subset_values(real, fake, subsets, subset_size, seed)
     return float(values.mean()), float(values.std(unbiased=False))

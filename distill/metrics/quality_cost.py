@@ -126,12 +126,16 @@ class QualityCostEvaluator:
 
     @torch.no_grad()
     def measure(self, samples: Samples, real_data: bool = False) -> dict:
-        """``{name: value, name_std: std}`` of every metric (``real_data``: those measured on real images)."""
+        """``{name: value, name_std: std, name_replicates: [...]}`` of every metric (``real_data``: those measured
+        on real images); the replicates are paired across the rows of this evaluator (same prompts and seeds)."""
         row = {}
         for metric in self.metrics:
             if real_data and not metric.real_data:
                 continue
-            row[metric.name], row[f"{metric.name}_std"] = metric(samples)
+            estimate = metric(samples)
+            row[metric.name], row[f"{metric.name}_std"] = estimate.value, estimate.std
+            if estimate.replicates is not None:
+                row[f"{metric.name}_replicates"] = estimate.replicates.tolist()
         return row
 
     @torch.no_grad()
@@ -171,7 +175,7 @@ class QualityCostEvaluator:
         return rows
 
     def cost(self, sampler: Sampler, scheduler: str, steps: int, guidance_scale: float | None) -> dict:
-        n = self.cost_batch_size
+        n = min(self.cost_batch_size, len(self.captions))  # the images generated: NFE and latency are per image
         captions, labels = self.captions[:n], self._batch_labels(0, n)
 
         def run() -> torch.Tensor:

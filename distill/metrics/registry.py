@@ -1,8 +1,10 @@
 """Quality metrics as registered classes: a metric is one class here, and every table, CSV, plot and logger
 picks it up from ``METRICS``.
 
-A metric reads a ``Samples`` (images and what they were generated from) and returns its value and the
-standard deviation of that estimate (the column ``<name>_std``). It takes what it measures with from the
+A metric reads a ``Samples`` (images and what they were generated from) and returns an ``Estimate``: its value,
+the standard deviation of that estimate (the column ``<name>_std``) and its replicates on resamples shared by
+every row of the protocol (``<name>_replicates``), from which two rows' difference gets its paired uncertainty
+(``distill.metrics.report.difference_std``). It takes what it measures with from the
 evaluation set (``distill.metrics.eval_set.EvalSet``); ``needs`` names the inputs without which it is skipped.
 """
 
@@ -10,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from distill.metrics.bootstrap import bootstrap_replicates
 from distill.metrics.fid import to_model_pixels
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,23 @@ class Samples:
         return self._features[id(fid)]
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """A metric's value, the standard deviation of the estimate, and its replicates (R,) on resamples that depend
+    only on the protocol (seed, strata, sizes), so that replicate k of every row is paired; None: no pairing."""
+
+    value: float
+    std: float
+    replicates: torch.Tensor | None = None
+
+
+def mean_estimate(scores: torch.Tensor, samples: Samples, num_resamples: int, seed: int, std: float) -> Estimate:
+    """The mean of per-sample ``scores`` (N,) with ``std`` and its bootstrap replicates on the shared resamples."""
+    scores = scores.double().cpu()
+    return Estimate(scores.mean().item(), std,
+                    bootstrap_replicates(lambda i: scores[i].mean().item(), samples.strata, num_resamples, seed))
+
+
 class Metric:
     """Base of every quality metric. Subclasses set ``name`` (the CSV column), ``label`` (short, for
     console lines), ``needs`` (evaluation-set inputs: "feature", "clip", "classifier", "labels") and
@@ -46,8 +67,8 @@ class Metric:
     def __init__(self, eval_set, seed: int = 0):
         self.eval_set, self.seed = eval_set, seed
 
-    def __call__(self, samples: Samples) -> tuple[float, float]:
-        """(value, standard deviation of the estimate) on ``samples``."""
+    def __call__(self, samples: Samples) -> Estimate:
+        """The value, the standard deviation of the estimate and its paired replicates on ``samples``."""
         raise NotImplementedError
 
 
@@ -79,11 +100,11 @@ class FIDMetric(Metric):
     name, label, needs, real_data = "fid", "FID", ("feature",), True
     space: ClassVar[str] = "feature"  # the evaluation set's feature space (``EvalSet.feature_spec``)
 
-    def __call__(self, samples: Samples) -> tuple[float, float]:
+    def __call__(self, samples: Samples) -> Estimate:
         fid = self.eval_set.fid(self.space)
         features = samples.features(fid)
-        return fid.from_features(features), fid.bootstrap_std(features, self.eval_set.fid_bootstrap, self.seed,
-                                                              samples.strata)
+        replicates = fid.bootstrap_values(features, self.eval_set.fid_bootstrap, self.seed, samples.strata)
+        return Estimate(fid.from_features(features), float(replicates.std()), replicates)
 
 
 @register_metric
@@ -93,19 +114,20 @@ class KIDMetric(Metric):
     name, label, needs, real_data = "kid", "KID", ("feature",), True
     space: ClassVar[str] = "feature"
 
-    def __call__(self, samples: Samples) -> tuple[float, float]:
-        from distill.metrics.kid import kernel_inception_distance
+    def __call__(self, samples: Samples) -> Estimate:
+        from distill.metrics.kid import kid_subset_values
 
         fid = self.eval_set.fid(self.space)
         features = samples.features(fid)
         if fid.reference_features is None:
-            return math.nan, math.nan  # statistics-only reference (.npz without features)
+            return Estimate(math.nan, math.nan)  # statistics-only reference (.npz without features)
         if min(len(fid.reference_features), len(features)) < 4:
             log.warning("KID needs at least 4 reference and 4 generated images (got %d and %d); reported as NaN",
                         len(fid.reference_features), len(features))
-            return math.nan, math.nan
-        return kernel_inception_distance(fid.reference_features, features, self.eval_set.kid_subsets,
-                                         self.eval_set.kid_subset_size, self.seed)
+            return Estimate(math.nan, math.nan)
+        values = kid_subset_values(fid.reference_features, features, self.eval_set.kid_subsets,
+                                   self.eval_set.kid_subset_size, self.seed)
+        return Estimate(float(values.mean()), float(values.std(unbiased=False)), values)
 
 
 @register_metric
@@ -114,7 +136,7 @@ class CLIPScoreMetric(Metric):
 
     name, label, needs = "clip_score", "CLIP", ("clip",)
 
-    def __call__(self, samples: Samples) -> tuple[float, float]:
+    def __call__(self, samples: Samples) -> Estimate:
         from distill.metrics.clip_score import clip_score
 
         model, tokenizer, mean, std = self.eval_set.clip_model()
@@ -125,7 +147,7 @@ class CLIPScoreMetric(Metric):
         images = to_model_pixels(images, mean, std)
         scores = torch.cat([clip_score(model, tokenizer, images[i:i + 500], samples.captions[i:i + 500])
                             for i in range(0, len(images), 500)])
-        return scores.mean().item(), standard_error(scores)
+        return mean_estimate(scores, samples, self.eval_set.fid_bootstrap, self.seed, standard_error(scores))
 
 
 @register_metric
@@ -135,11 +157,13 @@ class PromptAccuracyMetric(Metric):
     name, label, needs = "prompt_accuracy", "acc", ("classifier", "labels")
 
     @torch.no_grad()
-    def __call__(self, samples: Samples) -> tuple[float, float]:
+    def __call__(self, samples: Samples) -> Estimate:
         classifier = self.eval_set.classifier_model()
         logits = torch.cat([classifier(chunk) for chunk in samples.images.split(256)])
-        accuracy = (logits.argmax(1) == samples.labels.to(logits.device)).float().mean().item()
-        return accuracy, proportion_standard_error(accuracy, len(samples.images))
+        correct = (logits.argmax(1) == samples.labels.to(logits.device)).float()
+        accuracy = correct.mean().item()
+        return mean_estimate(correct, samples, self.eval_set.fid_bootstrap, self.seed,
+                             proportion_standard_error(accuracy, len(samples.images)))
 
 
 # FID and KID in the extra feature spaces (``eval.extra_features``, ``distill.metrics.feature_spaces``): a

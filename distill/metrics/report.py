@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from distill.metrics.bootstrap import difference_std as difference_std_of_replicates
 from distill.metrics.registry import METRICS
 
 RUN_COLUMNS = ["model", "scheduler", "accelerate", "steps", "guidance_scale", "nfe"]
@@ -26,8 +27,22 @@ def quality_columns() -> list[str]:
 
 
 def columns() -> list[str]:
-    """The CSV columns: the run, the quality metrics with their uncertainties, the cost, the training step."""
+    """The table columns: the run, the quality metrics with their uncertainties, the cost, the training step."""
     return RUN_COLUMNS + quality_columns() + COST_COLUMNS + ["step"]
+
+
+def replicate_columns() -> list[str]:
+    """Every registered metric's paired replicates (``<name>_replicates``), the CSV's last columns."""
+    return [f"{name}_replicates" for name in METRICS]
+
+
+def encode_replicates(values: Sequence[float]) -> str:
+    """Replicates as one CSV cell: space-separated, 8 significant digits."""
+    return " ".join(f"{float(v):.8g}" for v in values)
+
+
+def decode_replicates(cell: str) -> list[float]:
+    return [float(v) for v in cell.split()]
 
 
 def pareto_front(rows: list[dict], x: str = "latency_s", y: str = "fid") -> list[dict]:
@@ -40,17 +55,33 @@ def pareto_front(rows: list[dict], x: str = "latency_s", y: str = "fid") -> list
     return sorted(front, key=lambda r: r[x])
 
 
+def difference_std(a: dict, b: dict, key: str = "fid") -> float:
+    """Uncertainty of ``a[key] - b[key]``: the paired bootstrap over shared resamples when both rows hold
+    ``<key>_replicates`` of one protocol (the same prompts and seeds: what the rows share cancels), else the
+    independent sqrt(std_a^2 + std_b^2) (``<key>_std`` of each row)."""
+    ra, rb = a.get(f"{key}_replicates"), b.get(f"{key}_replicates")
+    if ra is not None and rb is not None and len(ra) == len(rb) >= 2:
+        return difference_std_of_replicates(ra, rb)
+    return math.hypot(a[f"{key}_std"], b[f"{key}_std"])
+
+
 def differ_beyond_uncertainty(a: dict, b: dict, key: str = "fid", sigmas: float = 1.0) -> bool:
-    """Whether rows ``a`` and ``b`` differ in ``key`` by more than ``sigmas`` times their combined
-    uncertainty sqrt(std_a^2 + std_b^2) (independent estimates; ``<key>_std`` of each row)."""
-    combined = math.hypot(a[f"{key}_std"], b[f"{key}_std"])
-    return abs(a[key] - b[key]) > sigmas * combined
+    """Whether rows ``a`` and ``b`` differ in ``key`` by more than ``sigmas`` times the uncertainty of their
+    difference (``difference_std``: paired where the rows share prompts and seeds)."""
+    return abs(a[key] - b[key]) > sigmas * difference_std(a, b, key)
+
+
+def format_difference(a: dict, b: dict, key: str = "fid") -> str:
+    """``a - b`` as ``+0.52 ± 0.18`` with the uncertainty of the difference (``difference_std``)."""
+    text = format_uncertain(a[key] - b[key], difference_std(a, b, key))
+    return text if text.startswith("-") else "+" + text
 
 
 def format_uncertain(value: float, std: float) -> str:
-    """``value ± std`` with the std to two significant digits and the value to the same decimal place."""
-    if not std > 0 or not math.isfinite(std):
-        return f"{value:.4g} ± {std:.2g}"
+    """``value ± std`` with the std to two significant digits and the value to the same decimal place; a std
+    that is zero up to float rounding (every resample alike) prints as 0, the value to 4 significant digits."""
+    if not math.isfinite(std) or not std > 1e-9 * max(1.0, abs(value)):
+        return f"{value:.4g} ± {0.0 if math.isfinite(std) else std:.2g}"
     decimals = max(0, 1 - math.floor(math.log10(std)))
     return f"{value:.{decimals}f} ± {std:.{decimals}f}"
 
@@ -62,11 +93,12 @@ def format_quality(row: dict) -> str:
 
 
 def write_csv(rows: list[dict], path: Path, append: bool = False, lead: Sequence[str] = ()) -> None:
-    """Write (or append to) a CSV of ``columns()`` (after the ``lead`` columns, e.g. a cross-run report's run and
-    overrides); appending keeps an existing file's header (an older run's)."""
+    """Write (or append to) a CSV of ``columns()`` and ``replicate_columns()`` (after the ``lead`` columns, e.g. a
+    cross-run report's run and overrides); appending keeps an existing file's header (an older run's)."""
     path = Path(path)
     new = not (append and path.exists())
-    header = list(lead) + columns()
+    header = list(lead) + columns() + replicate_columns()
+    rows = [{k: encode_replicates(v) if k.endswith("_replicates") else v for k, v in r.items()} for r in rows]
     if not new:
         with open(path, newline="") as f:
             header = next(csv.reader(f), header)

@@ -201,7 +201,7 @@ class SanitySuite:
         self.clip = CLIPScoreMetric(eval_set, seed) if eval_set.clip is not None and self.captions else None
         labelled = self.labels is not None and eval_set.classifier is not None
         self.classifier = PromptAccuracyMetric(eval_set, seed) if labelled else None
-        self.clean_clip_score = self.clip(self._samples(self.probes, _same(self.probes)))[0] if self.clip else None
+        self.clean_clip_score = self.clip(self._samples(self.probes, _same(self.probes))).value if self.clip else None
 
     def describe_spaces(self) -> dict[str, str]:
         return {space: describe(self.eval_set.feature_spec(space)) for space in self.spaces}
@@ -222,11 +222,11 @@ class SanitySuite:
             out[space, "kid"] = kernel_inception_distance(fid.reference_features, features, self.eval_set.kid_subsets,
                                                           self.eval_set.kid_subset_size, self.seed)
         if self.clip is not None:
-            score, std = self.clip(samples)
-            out["clip", "clip_drop"] = (1 - score / self.clean_clip_score, std / self.clean_clip_score)
+            clip = self.clip(samples)
+            out["clip", "clip_drop"] = (1 - clip.value / self.clean_clip_score, clip.std / self.clean_clip_score)
         if self.classifier is not None:
-            accuracy, std = self.classifier(samples)
-            out["classifier", "error"] = (1 - accuracy, std)
+            accuracy = self.classifier(samples)
+            out["classifier", "error"] = (1 - accuracy.value, accuracy.std)
         return out
 
     def plan(self, strengths: Mapping[str, Sequence[float]] | None = None) -> dict[str, list[float]]:
