@@ -218,6 +218,8 @@ class QualityCostCallback(L.Callback):
                 if key in r:
                     metrics[f"val/{key}@{tag}"] = r[key]
         for key, value in (self._floor or {}).items():  # val/fid_floor, val/fid_floor_std, val/kid_floor, ...
+            if key.endswith("_replicates"):  # for paired comparisons in tables, not a scalar to log
+                continue
             name, std = (key[:-4], "_std") if key.endswith("_std") else (key, "")
             metrics[f"val/{name}_floor{std}"] = value
         table = format_table(teacher_rows + rows, self._floor)
