@@ -208,12 +208,15 @@ class TeacherStudentDistillation(DistillMethod):
         holds a copy with the adapters merged into the weights and removed."""
         student = type(self.student).__name__
         if self.is_lora:
-            from diffusers import StableDiffusionPipeline
-            from diffusers.utils import convert_state_dict_to_diffusers
             from peft.utils import get_peft_model_state_dict
 
-            lora = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.student))
-            StableDiffusionPipeline.save_lora_weights(out_dir / "lora", unet_lora_layers=lora, safe_serialization=True)
+            # peft's keys unconverted, with the adapter's LoraConfig as metadata: load_lora_weights then rebuilds
+            # every targeted module at its rank and alpha (diffusers' older lora.down/up names cover only attention
+            # and carry no alpha)
+            (adapter,) = self.student.peft_config
+            pipe.save_lora_weights(out_dir / "lora", safe_serialization=True,
+                                   unet_lora_layers=get_peft_model_state_dict(self.student, adapter_name=adapter),
+                                   unet_lora_adapter_metadata=self.student.peft_config[adapter].to_dict())
             merged = copy.deepcopy(self.student)
             merged.fuse_lora()
             merged.unload_lora()
