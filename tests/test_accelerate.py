@@ -130,16 +130,44 @@ def test_cached_steps_run_only_the_shallow_branch_and_save_flops():
     accelerator.detach()
 
 
-@pytest.mark.parametrize("n, interval, power", [(50, 5, 1.4), (50, 2, 1.4), (20, 3, 2.0), (7, 2, 1.2)])
-def test_nonuniform_schedule_keeps_the_count(n, interval, power):
-    steps = full_steps(n, interval, "nonuniform", power=power)
-    assert steps[0] == 0 and len(steps) == math.ceil(n / interval) and steps == sorted(set(steps))
+def deepcache_sample_from_quad_center():
+    """DeepCache's own non-uniform schedule, read out of the installed package's source (its modules no longer
+    import under this diffusers): the function ``sample_from_quad_center`` of ``sd/pipeline_stable_diffusion.py``,
+    executed alone with numpy."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("DeepCache")
+    path = Path(spec.submodule_search_locations[0]) / "sd" / "pipeline_stable_diffusion.py"
+    tree = ast.parse(path.read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "sample_from_quad_center"]
+    namespace = {"np": np}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace["sample_from_quad_center"]
 
 
-def test_nonuniform_schedule_is_denser_at_the_centre():
-    steps = full_steps(50, 5, "nonuniform", center=0.5, power=1.4)
-    gaps = [b - a for a, b in zip(steps, steps[1:])]
-    assert min(gaps[len(gaps) // 2 - 1: len(gaps) // 2 + 1]) < max(gaps[0], gaps[-1])
+@pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning")  # the reference casts complex to int
+def test_nonuniform_schedule_is_deepcaches_sample_from_quad_center():
+    reference = deepcache_sample_from_quad_center()
+    # T = 50 steps, N = 5 (10 full steps), centre step 25 (center=0.5), the paper's powers 1.2-1.4
+    for power in (1.2, 1.3, 1.4):
+        expected, _ = reference(50, 10, 25, pow=power)
+        assert [int(i) for i in expected] == [0, 6, 11, 16, 21, 25, 29, 34, 39, 44]
+        assert full_steps(50, 5, "nonuniform", center=0.5, power=power) == [0, 6, 11, 16, 21, 25, 29, 34, 39, 44]
+    # the defaults are DeepCache's own example call (stable_diffusion.py: 50 steps, center=15, pow=1.4)
+    expected, _ = reference(50, 10, 15, pow=1.4)
+    assert full_steps(50, 5, "nonuniform") == [int(i) for i in expected] == [0, 5, 9, 13, 17, 21, 26, 31, 37, 43]
+    for steps, interval, center, power in ((20, 3, 0.5, 1.4), (100, 10, 0.5, 1.2), (25, 4, 0.3, 1.3),
+                                           (7, 2, 0.3, 1.4), (36, 3, 0.7, 1.6), (11, 2, 0.3, 1.4)):
+        expected, _ = reference(steps, math.ceil(steps / interval), round(center * steps), pow=power)
+        assert full_steps(steps, interval, "nonuniform", center, power) == [int(i) for i in expected]
+    with pytest.raises(ValueError, match="Cannot find suitable pow"):  # no power places 25 steps among 50 ...
+        reference(50, 25, 25, pow=1.4)
+    with pytest.raises(ValueError, match="schedule=nonuniform cannot place 25 distinct full steps among 50"):
+        full_steps(50, 2, "nonuniform", center=0.5, power=1.4)  # ... and distill says so, naming the options
     assert full_steps(50, 5) == list(range(0, 50, 5))
 
 
@@ -530,3 +558,135 @@ def test_clip_guidance_steers_empty_prompts_towards_their_captions(pipe):
             return (judge(images * 2 - 1).argmax(1) == labels).float().mean().item()
 
     assert accuracy(None) < 0.3 < 0.4 < accuracy(ClassifierGuidance(scale=0.03, mode="clip"))
+
+
+def test_a_chains_nonuniform_cache_schedules_the_calls_the_forecast_computes():
+    """Inside ``deepcache+forecast`` the cache sees only the forecast's real calls (11 of 20 here): its
+    non-uniform schedule is built over those 11 and indexed by them: the full UNet runs on computed calls
+    ``full_steps(11, 3)``, 0, 3, 4, 7 (the schedule over all 20 calls, indexed by the 11, ran 0, 3, 5, 7, 10)."""
+    from diffusers import DDIMScheduler
+
+    from distill.accelerate import Chain
+
+    unet = sd_layout_unet()
+    cache, forecast = DeepCache(interval=3, schedule="nonuniform"), Forecast(interval=2)
+    chain = Chain([cache, forecast])
+    chain.attach(unet)
+    full_calls = []  # the cache's call index whenever the mid block (a cached layer) really computes
+    leaf = next(m for m in unet.mid_block.modules() if not list(m.children()))
+    handle = leaf.register_forward_pre_hook(lambda m, a: full_calls.append(cache.step))
+    with NFECounter(unet) as counter:
+        _loop(unet, DDIMScheduler(), 20, chain)
+    handle.remove()
+    chain.detach()
+    real = len(real_steps(20, 2, 2, 1))
+    assert real == counter.calls == cache.step + 1 == 11 and cache.num_calls == 11
+    assert full_calls == full_steps(11, 3, "nonuniform") == [0, 3, 4, 7]
+
+
+def test_img2img_at_strength_half_forecasts_the_calls_it_runs(pipe):
+    """img2img at strength 0.5 of 10 DDIM steps runs the last 5: the forecast patterns those 5 calls (real
+    0, 1, 3, 4), plainly equal to the pipeline at interval 1; DeepCache's schedule counts 5 calls too."""
+    from diffusers import DDIMScheduler, StableDiffusionImg2ImgPipeline
+
+    img2img = StableDiffusionImg2ImgPipeline(**{**pipe.components, "scheduler": DDIMScheduler.from_config(
+        pipe.scheduler.config)}, requires_safety_checker=False)
+    img2img.set_progress_bar_config(disable=True)
+    image = torch.rand(2, 1, 32, 32, generator=torch.Generator().manual_seed(0))
+
+    def run(accelerator):
+        with accelerated(img2img, accelerator), NFECounter(img2img.unet) as counter:
+            out = img2img(PROMPTS, image=image, strength=0.5, num_inference_steps=10, output_type="pt",
+                          generator=torch.Generator().manual_seed(0)).images
+        return out, counter.calls
+
+    plain, calls = run(None)
+    assert calls == 5
+    same, n = run(Forecast(interval=1))
+    assert torch.equal(same, plain) and n == 5
+    forecast = Forecast(interval=2)
+    images, n = run(forecast)
+    assert forecast.num_calls == 5 and n == len(real_steps(5, 2, 2, 1)) == 4 and torch.isfinite(images).all()
+    assert (images - plain).abs().mean() < 0.15
+    cache = DeepCache(interval=2, schedule="nonuniform")
+    run(cache)
+    assert cache.num_calls == 5 and cache._full == set(full_steps(5, 2, "nonuniform"))
+
+
+def test_heun_in_the_training_callbacks_path_counts_eleven_calls(pipe):
+    """The quality-cost callback samples a method's own pipeline with the accelerator on the UNet
+    (``MethodSampler`` -> ``accelerated_unet``): Heun's 6 steps are 11 calls there too, so DeepCache's schedule
+    covers all 11 and a forecast refuses before the first call, as on a pipeline."""
+    from distill.callbacks.quality_cost import MethodSampler
+    from distill.inference.schedulers import make_scheduler, scheduler_options
+
+    plain_scheduler = pipe.scheduler
+    pipe.scheduler = make_scheduler("heun", plain_scheduler.config, **scheduler_options("heun"))
+
+    def generate(batch, generator, num_inference_steps, guidance_scale, scheduler):
+        return pipe(batch["caption"], num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                    generator=generator, output_type="pt").images
+
+    method = SimpleNamespace(student=pipe.unet, sampling={"guidance_scale": 3.0}, pipeline=lambda scheduler: pipe,
+                             generate=generate)
+    sampler = MethodSampler(method)
+    try:
+        sampler.accelerator = cache = DeepCache(interval=2, schedule="nonuniform")
+        with NFECounter(pipe.unet) as counter:
+            images = sampler(PROMPTS, torch.tensor([3, 7]), "heun", 6, 3.0, torch.Generator().manual_seed(0))
+        assert counter.calls == 11 and cache.num_calls == 11 and cache.step == 10
+        assert cache._full == set(full_steps(11, 2, "nonuniform")) and torch.isfinite(images).all()
+        sampler.accelerator = Forecast(interval=2)
+        with NFECounter(pipe.unet) as counter, pytest.raises(ValueError, match="calls the UNet 11 times for 6 steps"):
+            sampler(PROMPTS, torch.tensor([3, 7]), "heun", 6, 3.0, torch.Generator().manual_seed(0))
+        assert counter.calls == 0
+    finally:
+        pipe.scheduler = plain_scheduler
+
+
+def test_forecast_on_a_pndm_teacher_patterns_its_eleven_calls(pipe):
+    """A stock SD-1.5 folder samples with PNDM (PLMS, ``skip_prk_steps``): 11 UNet calls for 10 steps, the first
+    step's warm-up call included. The forecast patterns the 11 calls (real 0, 1, 3, 5, 7, 9, 10), equals plain
+    sampling at interval 1, and a fitted forecaster (fitted on one call a step) is refused naming the count."""
+    from diffusers import PNDMScheduler
+
+    plain_scheduler = pipe.scheduler
+    pipe.scheduler = PNDMScheduler.from_config(plain_scheduler.config, skip_prk_steps=True)
+    try:
+        plain, calls = _sample(pipe, None, 10)
+        assert calls == 11
+        same, n = _sample(pipe, Forecast(interval=1), 10)
+        assert torch.equal(same, plain) and n == 11
+        images, n = _sample(pipe, Forecast(interval=2), 10)
+        assert n == len(real_steps(11, 2, 2, 1)) == 7 and (images - plain).abs().mean() < 0.15
+        fitted = Forecast(predictor="fitted", path="unused", scheduler="pndm")
+        with pytest.raises(ValueError, match="makes 11 UNet calls for 10 steps"):
+            _sample(pipe, fitted, 10)
+    finally:
+        pipe.scheduler = plain_scheduler
+
+
+def test_served_forecast_on_a_pndm_teacher_answers_and_a_second_order_scheduler_is_refused_per_request(pipe):
+    """``distill.serve accelerate=forecast`` on a stock SD-1.5 folder (PNDM) serves each request with 7 of its 11
+    calls computed; a request for heun is refused by the request check, naming the scheduler's order, and a
+    quality-cost callback that would sweep forecast with heun fails when it is built."""
+    from diffusers import PNDMScheduler
+
+    from distill.callbacks.quality_cost import QualityCostCallback
+    from distill.serve.engine import Engine
+
+    plain_scheduler = pipe.scheduler
+    pipe.scheduler = PNDMScheduler.from_config(plain_scheduler.config, skip_prk_steps=True)
+    engine = Engine(pipe, steps=10, guidance_scale=3.0, mode="sequential", accelerator=Forecast(interval=2))
+    try:
+        with NFECounter(pipe.unet) as counter:
+            result = engine.submit(engine.job([PROMPTS[0]], seed=0)).result(timeout=300)
+        assert counter.calls == len(real_steps(11, 2, 2, 1)) == 7 and len(result.png) == 1
+        (error,) = engine.check([PROMPTS[0]], 10, None, None, None, "heun", None)
+        assert error[0] == "scheduler" and "HeunDiscreteScheduler is of order 2" in error[1]
+        assert engine.check([PROMPTS[0]], 10, None, None, None, "ddim", None) == []
+    finally:
+        engine.close(timeout=60)
+        pipe.scheduler = plain_scheduler
+    with pytest.raises(ValueError, match="HeunDiscreteScheduler is of order 2"):
+        QualityCostCallback(None, schedulers=("ddim", "heun"), accelerators=("none", "deepcache+forecast"))

@@ -20,6 +20,7 @@ from distill.accelerate.base import (
     NoAccelerator,
     accelerated,
     accelerated_unet,
+    check_schedulers,
     disable,
     enable,
 )
@@ -70,4 +71,4 @@ def preset(name: str, **context) -> Accelerator | None:
 
 
 __all__ = ["ACCELERATORS", "Accelerator", "Chain", "ClassifierGuidance", "DeepCache", "Forecast", "NoAccelerator", "accelerated",
-           "accelerated_unet", "accelerator_options", "disable", "enable", "make_accelerator", "preset"]
+           "accelerated_unet", "accelerator_options", "check_schedulers", "disable", "enable", "make_accelerator", "preset"]

@@ -6,7 +6,9 @@ still called as ``pipe(prompt, ...)``. ``accelerated(pipe, accelerator)`` attach
 ``enable(pipe, accelerator)`` until ``disable(pipe)``. Each pipeline call opens its progress bar once before the
 first denoising step, after setting the scheduler's timesteps (one per UNet call): that is where the
 accelerator's state is reset, so every call starts a new trajectory. A pipeline without a progress bar cannot
-be accelerated this way; a sampling loop of one's own uses ``accelerated_unet``.
+be accelerated this way; a sampling loop of one's own uses ``accelerated_unet``. A trajectory's length is counted in
+UNet calls (``scheduler_calls``), not steps: Heun calls twice a step, PNDM once more for its PLMS warm-up, and
+img2img or inpainting at ``strength < 1`` runs only the last steps of the scheduler's timesteps.
 
 A call of the UNet whose output was predicted instead of computed sets ``unet._distill_predicted``; the NFE
 counter (``distill.metrics.cost.NFECounter``) does not count it.
@@ -25,8 +27,8 @@ PREDICTED = "_distill_predicted"  # set on the UNet after a call whose output no
 
 class Accelerator:
     """Base class: ``attach`` / ``detach`` hooks on a UNet, ``reset`` before each trajectory of
-    ``num_inference_steps`` steps that calls the UNet ``num_calls`` times (more than once a step for a
-    second-order scheduler such as Heun; None when unknown)."""
+    ``num_inference_steps`` steps that calls the UNet ``num_calls`` times (``scheduler_calls``; None when unknown)
+    with a scheduler of ``order`` (2: two calls a step at two points, as Heun's)."""
 
     name = "none"
 
@@ -36,12 +38,20 @@ class Accelerator:
     def detach(self) -> None:
         self.unet = None
 
-    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None) -> None:
-        self.num_inference_steps = num_inference_steps
+    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None, order: int = 1) -> None:
+        self.num_inference_steps, self.scheduler_order = num_inference_steps, order
         self.num_calls = num_calls if num_calls is not None else num_inference_steps
+
+    def passed_calls(self, num_calls: int | None) -> int | None:
+        """How many of the trajectory's ``num_calls`` calls (after ``reset``) reach the accelerators attached
+        before this one, which it wraps (a forecast lets only its real calls through)."""
+        return num_calls
 
     def describe(self) -> str:
         return self.name
+
+    def check_scheduler(self, scheduler) -> None:
+        """Fail now if this accelerator cannot sample with ``scheduler`` (a diffusers scheduler class or object)."""
 
     def use_scheduler(self, name: str, guidance_scale: float | None = None) -> None:
         """The scheduler (name) and guidance scale the next calls sample with (what a fitted forecaster looks up)."""
@@ -81,10 +91,21 @@ class Chain(Accelerator):
             part.detach()
         super().detach()
 
-    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None) -> None:
-        super().reset(num_inference_steps, num_calls)
+    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None, order: int = 1) -> None:
+        super().reset(num_inference_steps, num_calls, order)
+        calls = self.num_calls
+        for part in reversed(self.parts):  # outermost first: each counts the calls the ones around it let through
+            part.reset(num_inference_steps, calls, order)
+            calls = part.passed_calls(calls)
+
+    def passed_calls(self, num_calls: int | None) -> int | None:
+        for part in reversed(self.parts):
+            num_calls = part.passed_calls(num_calls)
+        return num_calls
+
+    def check_scheduler(self, scheduler) -> None:
         for part in self.parts:
-            part.reset(num_inference_steps, num_calls)
+            part.check_scheduler(scheduler)
 
     def use_scheduler(self, name: str, guidance_scale: float | None = None) -> None:
         for part in self.parts:
@@ -101,6 +122,18 @@ class Chain(Accelerator):
     def use_prompts(self, prompts: list[str] | None) -> None:
         for part in self.parts:
             part.use_prompts(prompts)
+
+
+def check_schedulers(accelerator: Accelerator | None, names) -> None:
+    """Fail now if ``accelerator`` cannot sample with one of the schedulers ``names`` (``distill.inference``
+    names; others, such as an export's own, are checked when they sample)."""
+    import diffusers
+
+    from distill.inference.schedulers import SCHEDULERS
+
+    for name in names if accelerator is not None else ():
+        if name in SCHEDULERS:
+            accelerator.check_scheduler(getattr(diffusers, SCHEDULERS[name]))
 
 
 class CallHook(ModelHook):
@@ -133,13 +166,27 @@ def remove_hook(module: torch.nn.Module, name: str) -> None:
         module.__dict__.pop("forward", None)
 
 
+def scheduler_calls(scheduler, num_inference_steps: int) -> int:
+    """The UNet calls of a pipeline loop of ``num_inference_steps`` steps with ``scheduler`` after its
+    ``set_timesteps``: the timesteps the loop iterates (two a step for Heun, PNDM's extra PLMS warm-up call),
+    from the one it begins at. At ``strength < 1`` img2img and inpainting run the last ``num_inference_steps``
+    of the scheduler's ``scheduler.num_inference_steps`` and skip the first ``t_start * order`` timesteps
+    (diffusers' ``get_timesteps``, which also sets ``begin_index`` where the scheduler has one)."""
+    begin = getattr(scheduler, "begin_index", None)
+    if begin is None:
+        scheduled = getattr(scheduler, "num_inference_steps", None) or num_inference_steps
+        begin = max(scheduled - num_inference_steps, 0) * getattr(scheduler, "order", 1)
+    return len(scheduler.timesteps) - begin
+
+
 def _reset_on_call(pipe, accelerator: Accelerator):
     original = pipe.progress_bar
 
     def progress_bar(iterable=None, total=None):
         steps = total if total is not None else (len(iterable) if iterable is not None else None)
-        timesteps = getattr(pipe.scheduler, "timesteps", None)  # set before the loop: one entry per UNet call
-        accelerator.reset(steps, len(timesteps) if timesteps is not None else steps)
+        scheduler = pipe.scheduler  # its timesteps are set before the loop
+        known = steps is not None and getattr(scheduler, "timesteps", None) is not None
+        accelerator.reset(steps, scheduler_calls(scheduler, steps) if known else steps, getattr(scheduler, "order", 1))
         return original(iterable=iterable, total=total)
 
     return original, progress_bar
@@ -185,8 +232,8 @@ def accelerated(pipe, accelerator: Accelerator | None) -> Iterator:
 def accelerated_unet(unet: torch.nn.Module, accelerator: Accelerator | None, num_inference_steps: int,
                      scheduler: str | None = None, guidance_scale: float | None = None, pipe=None) -> Iterator:
     """``accelerator`` on ``unet`` for one trajectory of ``num_inference_steps`` (a sampling loop that builds
-    its own pipeline, e.g. a training method's ``generate``; ``pipe``: one like it, for its scheduler and VAE);
-    plain with None."""
+    its own pipeline, e.g. a training method's ``generate``; ``pipe``: one like it, for its scheduler and VAE,
+    whose calls for that many steps are counted on a copy of its scheduler); plain with None."""
     if accelerator is None:
         yield unet
         return
@@ -194,9 +241,14 @@ def accelerated_unet(unet: torch.nn.Module, accelerator: Accelerator | None, num
         accelerator.use_scheduler(scheduler, guidance_scale)
     if pipe is not None:
         accelerator.use_pipeline(pipe)
+    calls, order = num_inference_steps, 1
+    if pipe is not None:
+        counted = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        counted.set_timesteps(num_inference_steps)
+        calls, order = scheduler_calls(counted, num_inference_steps), counted.order
     accelerator.attach(unet)
     try:
-        accelerator.reset(num_inference_steps)
+        accelerator.reset(num_inference_steps, calls, order)
         yield unet
     finally:
         accelerator.detach()

@@ -8,13 +8,14 @@ On a full step the whole UNet runs and each deep layer's output is stored; on a 
 what they stored and only the shallow branch is computed, so the up layer at depth ``b`` joins the cached deep
 feature with a fresh skip ``b``, as in the paper (Fig. 2; branch 0 is the paper's shallowest, fastest choice).
 
-Schedules over the ``T`` steps of a call: ``uniform`` runs the full UNet every ``interval``-th step (0, N, 2N, ...);
-``nonuniform`` places as many full steps, ``ceil(T / interval)``, denser around ``center * (T - 1)`` with spacing
-growing as the ``power`` of the distance (the paper's non-uniform 1:N strategy, for large intervals).
+Schedules over the ``T`` calls that reach the cache in a trajectory: ``uniform`` runs the full UNet every
+``interval``-th call (0, N, 2N, ...); ``nonuniform`` places as many full calls, ``ceil(T / interval)``, by the
+paper's non-uniform 1:N strategy around ``center * T`` (``full_steps``: equal to the DeepCache package's
+``sample_from_quad_center``). Inside a chain with a forecast, ``T`` counts only the forecast's real calls.
 
 Every UNet inside the denoiser (one for a plain or compressed UNet, one per expert of a timestep MoE) keeps its
 own cache (layers shared by experts included); the calls are counted once, at the denoiser, over a trajectory of
-as many calls as the scheduler has timesteps (a second-order scheduler calls twice a step); a UNet's first call,
+as many calls as the scheduler makes (``scheduler_calls``: Heun calls twice a step); a UNet's first call,
 or one whose batch or dtype differs from the cached one, runs in full. The
 package ``DeepCache`` (0.1.1) patches a pipeline's ``unet.down_blocks`` the same way but needs the UNet at
 ``pipe.unet`` (no MoE), finds the step by ``scheduler.timesteps.index(t)`` (wrong where a scheduler repeats a
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 from torch import nn
 
 from distill.accelerate.base import Accelerator, add_hook, remove_hook
@@ -34,6 +36,9 @@ from distill.accelerate.base import Accelerator, add_hook, remove_hook
 HOOK = "distill_deepcache"
 STEP_HOOK = "distill_deepcache_step"
 SCHEDULES = ("uniform", "nonuniform")
+# the non-uniform schedule's centre (a fraction of the steps) and power: DeepCache's own Stable Diffusion example
+# (stable_diffusion.py) passes center=15 of its 50 steps and pow=1.4
+CENTER, POWER = 0.3, 1.4
 
 
 def is_unet(module: nn.Module) -> bool:
@@ -77,26 +82,31 @@ def branch_layers(unet: nn.Module) -> tuple[list[tuple[str, nn.Module, float]], 
     return layers, skips
 
 
-def full_steps(num_steps: int, interval: int, schedule: str = "uniform", center: float = 0.5,
-               power: float = 1.4) -> list[int]:
-    """The steps (of ``num_steps``) on which the whole UNet runs; always step 0. The non-uniform schedule has
-    as many as the uniform one: where rounding merges two steps, the power is lowered (towards even spacing)
-    until none merge."""
-    if schedule == "uniform" or num_steps <= 2:
+def full_steps(num_steps: int, interval: int, schedule: str = "uniform", center: float = CENTER,
+               power: float = POWER) -> list[int]:
+    """The steps (of ``num_steps``) on which the whole UNet runs; always step 0.
+
+    ``nonuniform`` is DeepCache's non-uniform 1:N strategy (Ma et al. 2023, Sec. 3.3), ``k = ceil(T / N)`` full
+    steps ``0`` and ``floor(linspace((-c)^(1/p), (T-c)^(1/p), k+1)^p) + c`` without its two ends, ``c`` the step
+    nearest ``center * T``. DeepCache's code (``sample_from_quad_center``, which gave the paper's numbers) takes
+    ``(-c)^(1/p)`` as the principal complex root and keeps the real part of the p-th power, truncated; this does
+    the same, so the points are slightly denser near ``c`` than a uniform grid, not spaced as ``|u|^p``. Where two
+    points truncate to one step, ``p`` is lowered by 0.02 until none do, as there; a ``ValueError`` where no
+    ``p > 1`` gives ``k`` distinct steps."""
+    if schedule == "uniform" or interval == 1 or num_steps <= 2:
         return list(range(0, num_steps, interval))
-    count = math.ceil(num_steps / interval)
-    c = center * (num_steps - 1)
+    count, c = math.ceil(num_steps / interval), int(center * num_steps + 0.5)
     p = power
-    while True:
-        # uniform in u, mapped by |u|^p: dense where u is near 0 (the centre), sparse towards both ends
-        lo, hi = -c ** (1 / p), (num_steps - 1 - c) ** (1 / p)
-        picked = {0}
-        for i in range(count):
-            u = lo + (hi - lo) * i / max(count - 1, 1)
-            picked.add(min(num_steps - 1, max(0, round(c + math.copysign(abs(u) ** p, u)))))
-        if len(picked) >= count or p <= 1.0:
-            return sorted(picked)
-        p = max(1.0, p - 0.02)
+    while p > 1:
+        u = np.linspace(complex(-c) ** (1 / p), (num_steps - c) ** (1 / p), count + 1)
+        offsets = np.unique(np.trunc((u ** p).real).astype(np.int64))[1:-1]  # both ends dropped
+        steps = [0] + [c + int(o) for o in offsets]
+        if len(steps) == count:
+            return steps
+        p -= 0.02
+    raise ValueError(f"accelerate.options.schedule=nonuniform cannot place {count} distinct full steps among "
+                     f"{num_steps} (interval={interval}, center={center}, power={power}); use a larger interval, "
+                     "a higher power or schedule=uniform")
 
 
 class _UNetCache:
@@ -149,8 +159,8 @@ class DeepCache(Accelerator):
 
     name = "deepcache"
 
-    def __init__(self, interval: int = 3, branch: int = 0, schedule: str = "uniform", center: float = 0.5,
-                 power: float = 1.4):
+    def __init__(self, interval: int = 3, branch: int = 0, schedule: str = "uniform", center: float = CENTER,
+                 power: float = POWER):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"accelerate.options.interval={interval!r} must be an integer >= 1 (1 = no caching)")
         if isinstance(branch, bool) or not isinstance(branch, int) or branch < 0:
@@ -215,8 +225,8 @@ class DeepCache(Accelerator):
         self.caches, self.layers, self.active = [], [], None
         super().detach()
 
-    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None) -> None:
-        super().reset(num_inference_steps, num_calls)
+    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None, order: int = 1) -> None:
+        super().reset(num_inference_steps, num_calls, order)
         self._full = (set(full_steps(self.num_calls, self.interval, self.schedule, self.center, self.power))
                       if self.num_calls and self.schedule != "uniform" else None)
         self.step = -1
@@ -224,5 +234,5 @@ class DeepCache(Accelerator):
             cache.reset()
 
     def is_full(self, call: int) -> bool:
-        """Whether the denoiser's ``call``-th call since the reset runs in full."""
+        """Whether the ``call``-th call since the reset that reaches the cache runs in full."""
         return call in self._full if self._full is not None else call % self.interval == 0

@@ -1,12 +1,14 @@
 """Step forecasting: predict the denoiser's output on some steps from the outputs of the steps computed before,
 and skip the network there (the "accelerate" method).
 
-The steps of a call are real (the network runs) or predicted, by a pattern: the first ``warmup`` and the last
-``last`` steps are real, and between them one step in ``interval`` (``interval=1``: every step is real, plain
-sampling); or an explicit list of real steps. Two predictors:
+The UNet calls of a trajectory (``distill.accelerate.base.scheduler_calls``: one a step for first-order and
+multistep schedulers, one more for PNDM's PLMS warm-up, only the steps run at img2img ``strength < 1``) are real
+(the network runs) or predicted, by a pattern: the first ``warmup`` and the last ``last`` calls are real, and
+between them one call in ``interval`` (``interval=1``: every call is real, plain sampling); or an explicit list of
+real calls. A second-order scheduler (Heun: two calls a step, at two points) is refused. Two predictors:
 
 - ``taylor`` (training-free, TaylorSeer, Liu et al. 2025, applied to the whole output): a Taylor expansion in
-  the step index about the last real step, its k-th derivative estimated by the k-th backward difference of the
+  the call index about the last real call, its k-th derivative estimated by the k-th backward difference of the
   real outputs; computed by diffusers' ``TaylorSeerState`` (which diffusers applies to single modules of a
   transformer).
 - ``fitted``: per predicted step k, ``out_k = sum_j a_kj * out_(r_j) + c_k * x_k``, a linear combination of the
@@ -29,6 +31,7 @@ from distill.accelerate.base import (
     PREDICTED,
     Accelerator,
     add_hook,
+    check_schedulers,
     like_output,
     output_tensor,
     remove_hook,
@@ -147,6 +150,14 @@ def load_forecaster(folder: str | Path, scheduler: str, num_steps: int, real: Se
     return FittedForecaster(**raw, steps=steps)
 
 
+def _refuse_second_order(order: int, name: str, calls: str = "") -> None:
+    """A forecast extrapolates a trajectory's outputs call after call; a second-order scheduler's two calls a step
+    evaluate two different points, so they are not one trajectory."""
+    if order > 1:
+        raise ValueError(f"accelerate=forecast predicts UNet calls one after another, but {name} is of order {order} "
+                         f"({calls}two calls a step, at two points); use a first-order or multistep scheduler")
+
+
 class Forecast(Accelerator):
     """Skip the denoiser on the predicted steps of the pattern and return a forecast of its output instead:
     ``predictor=taylor`` (of ``order``) or ``fitted`` (coefficients from ``forecaster.json`` in ``path``,
@@ -187,8 +198,14 @@ class Forecast(Accelerator):
     def use_pipeline(self, pipe) -> None:
         self.pipe = pipe
 
+    def check_scheduler(self, scheduler) -> None:
+        _refuse_second_order(getattr(scheduler, "order", 1), scheduler.__name__ if isinstance(scheduler, type)
+                             else type(scheduler).__name__)
+
     def check(self, scheduler: str, num_steps: int, guidance_scale: float | None) -> None:
-        """Fail now if a fitted forecaster has no coefficients for this call (before any sampling)."""
+        """Fail now if the scheduler is second-order, or a fitted forecaster has no coefficients for this call
+        (before any sampling)."""
+        check_schedulers(self, [scheduler])
         if self.predictor == "fitted":
             if self.path is None:
                 raise ValueError("accelerate.options.predictor=fitted needs the forecaster's folder: set "
@@ -217,13 +234,12 @@ class Forecast(Accelerator):
             self.unet.__dict__.pop(PREDICTED, None)
         super().detach()
 
-    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None) -> None:
-        super().reset(num_inference_steps, num_calls)
-        if num_inference_steps and self.num_calls != num_inference_steps:
-            raise ValueError(f"accelerate=forecast predicts whole steps, but the scheduler calls the UNet "
-                             f"{self.num_calls} times for {num_inference_steps} steps (a second-order scheduler such "
-                             "as heun); use a first-order or multistep one")
-        self.real = set(self.pattern(num_inference_steps)) if num_inference_steps else None
+    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None, order: int = 1) -> None:
+        super().reset(num_inference_steps, num_calls, order)
+        if num_inference_steps:
+            _refuse_second_order(order, type(self.pipe.scheduler).__name__ if self.pipe is not None else "the scheduler",
+                                 f"it calls the UNet {self.num_calls} times for {num_inference_steps} steps: ")
+        self.real = set(self.pattern(self.num_calls)) if self.num_calls else None
         self.history, self.calls, self.key = [], 0, None
         self.taylor = (TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=self.order)
                        if self.predictor == "taylor" else None)
@@ -231,11 +247,20 @@ class Forecast(Accelerator):
             if self.path is None or self.scheduler is None:
                 raise ValueError("accelerate.options.predictor=fitted needs the forecaster's folder and scheduler "
                                  "(distill.evaluate passes the pipeline's; set accelerate.options.path=...)")
+            scheduled = getattr(self.pipe.scheduler, "num_inference_steps", None) if self.pipe is not None else None
+            if self.num_calls != num_inference_steps or scheduled not in (None, num_inference_steps):
+                raise ValueError(f"accelerate.options.predictor=fitted has coefficients for whole trajectories of one "
+                                 f"call a step, but this call makes {self.num_calls} UNet calls for "
+                                 f"{num_inference_steps} steps" + (f" of {scheduled}" if scheduled else "") +
+                                 " (PNDM's warm-up call, or img2img at strength < 1); use predictor=taylor")
             self.fitted = self._coefficients(self.scheduler, num_inference_steps, self.guidance_scale)
             used = type(self.pipe.scheduler).__name__ if self.pipe is not None else None
             if used is not None and self.fitted.scheduler_class not in (None, used):
                 raise ValueError(f"the forecaster for {self.fitted.key} was fitted on {self.fitted.scheduler_class} "
                                  f"trajectories, but the pipeline samples with {used}; fit it again for this one")
+
+    def passed_calls(self, num_calls: int | None) -> int | None:
+        return len(self.real) if self.real is not None else num_calls
 
     def _call(self, forward, *args, **kwargs):
         sample = args[0] if args else kwargs["sample"]

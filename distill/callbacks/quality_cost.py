@@ -70,10 +70,10 @@ class QualityCostCallback(L.Callback):
         grid_seeds: int = 4,
         accelerators: tuple[str, ...] = ("none",),
     ):
-        from distill.accelerate import preset
+        from distill.accelerate import check_schedulers, preset
 
-        for name in accelerators:  # a bad preset (or chain of presets) fails when the callback is built
-            preset(name)
+        for name in accelerators:  # a bad preset (or chain), or one a swept scheduler cannot take, fails here
+            check_schedulers(preset(name), [*schedulers, *teacher_schedulers])
         self.eval_set = eval_set
         self.every_n_steps, self.schedulers = every_n_steps, list(schedulers)
         self.steps = list(steps) if steps is not None else None

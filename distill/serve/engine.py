@@ -298,6 +298,11 @@ class Engine:
             limit = self.step_limit(scheduler or self.default_scheduler, steps)
             if limit:
                 errors.append(("steps", f"steps={steps}: {limit}"))
+        if self.accelerator is not None and (scheduler is None or scheduler in SCHEDULERS):
+            try:  # e.g. a forecast with a second-order scheduler
+                self.accelerator.check_scheduler(self.scheduler_for(scheduler or self.default_scheduler))
+            except ValueError as err:
+                errors.append(("scheduler", str(err)))
         if timeout_s is not None and not 0 < timeout_s <= self.timeout_s:
             errors.append(("timeout_s", f"timeout_s={timeout_s} must lie in (0, {self.timeout_s}] (engine.timeout_s)"))
         return errors
