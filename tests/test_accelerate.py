@@ -563,7 +563,7 @@ def test_clip_guidance_steers_empty_prompts_towards_their_captions(pipe):
 def test_a_chains_nonuniform_cache_schedules_the_calls_the_forecast_computes():
     """Inside ``deepcache+forecast`` the cache sees only the forecast's real calls (11 of 20 here): its
     non-uniform schedule is built over those 11 and indexed by them: the full UNet runs on computed calls
-    ``full_steps(11, 3)``, 0, 3, 4, 7 (the schedule over all 20 calls, indexed by the 11, ran 0, 3, 5, 7, 10)."""
+    ``full_steps(11, 3)``, 0, 3, 4, 7 (one built over all 20 calls and indexed by the 11 would run 0, 3, 5, 7, 10)."""
     from diffusers import DDIMScheduler
 
     from distill.accelerate import Chain
