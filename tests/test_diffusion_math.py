@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 from diffusers import DDPMScheduler
@@ -117,3 +118,94 @@ def test_snr_of_cosine_schedule_midpoint(scheduler):
     f = lambda u: math.cos(math.pi / 2 * (u + 0.008) / 1.008) ** 2  # noqa: E731
     expected = f(501 / 1000) / f(0.0)
     assert alpha.item() ** 2 == pytest.approx(expected, rel=1e-4)
+
+
+# ---------------------------------------------------------------- EDM's training objective (Karras et al. 2022, table 1)
+
+
+def _edm_table_1(sigma: torch.Tensor, sd: float) -> dict:
+    """Table 1's column "EDM (ours)", written out: the preconditioning and the loss weighting."""
+    return {"c_skip": sd ** 2 / (sigma ** 2 + sd ** 2), "c_out": sigma * sd / (sigma ** 2 + sd ** 2).sqrt(),
+            "c_in": 1 / (sigma ** 2 + sd ** 2).sqrt(), "c_noise": sigma.log() / 4,
+            "lambda": (sigma ** 2 + sd ** 2) / (sigma * sd) ** 2}
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_edm_weighting_is_lambda_of_table_1_and_a_unit_weight_on_the_network_target(prediction_type):
+    """``snr_weight(..., "edm")`` times the MSE of any prediction type is lambda(sigma) ||D - x0||^2 with table 1's
+    lambda, which is exactly ||F - F*||^2 (lambda c_out^2 = 1) for D = c_skip x + c_out F: issue 30 item 13 found the
+    eps-MSE weight on ||F - F*||^2 falling from 1.00 at t = 0 to 0.005 at t = 999."""
+    from distill.diffusion.losses import edm_loss_weight
+    from distill.models.precondition import edm_scalings
+
+    sd = 0.5
+    g = torch.Generator().manual_seed(0)
+    sigma = torch.tensor([0.03, 0.3, 1.0, 7.0, 150.0], dtype=torch.float64)
+    table = _edm_table_1(sigma, sd)
+    torch.testing.assert_close(edm_loss_weight(sigma, sd), table["lambda"])
+    torch.testing.assert_close(table["lambda"] * table["c_out"] ** 2, torch.ones(5, dtype=torch.float64))
+    c_skip, c_out, c_in, c_noise = edm_scalings(sigma, sd)  # the wrapper's (c_noise in timestep units, x 1000)
+    torch.testing.assert_close(torch.stack([c_skip, c_out, c_in, c_noise / 1000]),
+                               torch.stack([table[k] for k in ("c_skip", "c_out", "c_in", "c_noise")]))
+    shape = (-1, 1, 1, 1)
+    x0, eps = sd * torch.randn(5, 2, 4, 4, generator=g, dtype=torch.float64), torch.randn(5, 2, 4, 4, generator=g, dtype=torch.float64)
+    raw = torch.randn(5, 2, 4, 4, generator=g, dtype=torch.float64)  # an arbitrary network output F
+    x = x0 + sigma.view(shape) * eps  # VE sample; the VP one is alpha x, alpha = 1 / sqrt(1 + sigma^2)
+    denoised = table["c_skip"].view(shape) * x + table["c_out"].view(shape) * raw
+    raw_target = (x0 - table["c_skip"].view(shape) * x) / table["c_out"].view(shape)
+    alpha = (1 / (1 + sigma ** 2).sqrt()).view(shape)
+    sigma_vp = sigma.view(shape) * alpha
+    eps_hat = (x - denoised) / sigma.view(shape)
+    pred = {"epsilon": eps_hat, "sample": denoised, "v_prediction": alpha * eps_hat - sigma_vp * denoised}[prediction_type]
+    weight = snr_weight(snr(alpha, sigma_vp).flatten(), prediction_type, "edm", sigma_data=sd)
+    loss = diffusion_loss(pred, prediction_target(prediction_type, x0, eps, alpha, sigma_vp), weight, reduce=False)
+    torch.testing.assert_close(loss, (raw - raw_target).pow(2).flatten(1).mean(1), rtol=1e-5, atol=1e-6)
+    x0_loss = (denoised - x0).pow(2).flatten(1).mean(1)
+    torch.testing.assert_close(loss, table["lambda"] * x0_loss, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="needs sigma_data"):
+        snr_weight(snr(alpha, sigma_vp), prediction_type, "edm")
+
+
+def test_edm_noise_distribution_on_the_discrete_schedule_is_the_lognormal_mass_of_each_timestep():
+    """ln sigma ~ N(-1.2, 1.2^2) (table 1) mapped onto SD's 1,000 timesteps (sigma_t = sqrt((1 - abar_t) / abar_t)):
+    timestep t gets the normal's mass between the log-midpoints to its neighbours, the mass outside the schedule's
+    range (1.9% below SD's sigma_0 = 0.029, half a step beyond it) dropped and the rest renormalised. Per timestep
+    the mass is largest at t = 1, not at sigma = e^-1.2 (t = 81): ln sigma moves fastest per timestep there."""
+    from scipy.stats import norm
+
+    from distill.diffusion.noise import edm_timestep_probabilities
+
+    abar = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012).alphas_cumprod.double()
+    log_s = ((1 - abar) / abar).sqrt().log().numpy()
+    edges = np.concatenate([[1.5 * log_s[0] - 0.5 * log_s[1]], (log_s[1:] + log_s[:-1]) / 2,
+                            [1.5 * log_s[-1] - 0.5 * log_s[-2]]])
+    mass = np.diff(norm.cdf(edges, loc=-1.2, scale=1.2))
+    p = edm_timestep_probabilities(torch.from_numpy(np.exp(log_s)))
+    np.testing.assert_allclose(p.numpy(), mass / mass.sum(), atol=1e-12)
+    assert 1 - mass.sum() == pytest.approx(0.019, abs=0.001) and math.exp(log_s[0]) == pytest.approx(0.0292, abs=1e-4)
+    assert int(p.argmax()) == 1 and int(np.abs(log_s + 1.2).argmin()) == 81
+
+
+def test_diffusion_method_with_edm_weighting_draws_edm_timesteps_and_refuses_zero_terminal_snr():
+    from distill.diffusion.noise import edm_timestep_probabilities
+    from distill.methods.diffusion import DiffusionTraining
+    from distill.models.conditioning import ClassConditioner
+    from distill.models.unet import build_class_unet
+
+    schedule = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    method = DiffusionTraining(build_class_unet(8, 1, size="debug"), schedule, ClassConditioner(10), torch.optim.AdamW,
+                               loss_weighting="edm")
+    p = edm_timestep_probabilities(((1 - schedule.alphas_cumprod.double()) / schedule.alphas_cumprod.double()).sqrt())
+    torch.testing.assert_close(method.time_target, p)
+    bins, w = method.draw_time_bins(20_000, method.time_sigmas, torch.Generator().manual_seed(0), target=method.time_target)
+    assert w is None
+    log_sigma = method.time_sigmas.double()[bins].log()
+    # the draws follow the truncated lognormal: mean and std of ln sigma within 4 standard errors of p's own
+    mean = float((p * method.time_sigmas.double().log()).sum())
+    std = float((p * (method.time_sigmas.double().log() - mean) ** 2).sum().sqrt())
+    assert float(log_sigma.mean()) == pytest.approx(mean, abs=4 * std / math.sqrt(20_000))
+    assert mean == pytest.approx(-1.147, abs=0.001) and std == pytest.approx(1.134, abs=0.001)  # -1.2, 1.2 cut at sigma_0
+    with pytest.raises(ValueError, match="zero terminal SNR"):
+        DiffusionTraining(build_class_unet(8, 1, size="debug"),
+                          DDPMScheduler(rescale_betas_zero_snr=True), ClassConditioner(10), torch.optim.AdamW,
+                          loss_weighting="edm")

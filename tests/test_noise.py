@@ -15,6 +15,7 @@ from distill.diffusion.noise import (
     TimeSampler,
     antithetic_noise,
     lognormal_bin_probabilities,
+    pair_rows,
     stratified_unit,
 )
 
@@ -23,6 +24,10 @@ def test_antithetic_pairs_are_exact_negatives():
     eps = antithetic_noise((7, 3, 2), torch.Generator().manual_seed(0))
     assert eps.shape == (7, 3, 2)
     assert torch.equal(eps[4:], -eps[:3])  # rows i and i + 4; row 3 (the odd one) has no partner
+    assert pair_rows(list("abcdefg")) == list("abcdabc")  # the rows that share everything but the noise
+    assert torch.equal(pair_rows(torch.arange(4), 7), torch.tensor([0, 1, 2, 3, 0, 1, 2]))
+    with pytest.raises(ValueError, match="at least 4 drawn rows"):
+        pair_rows(torch.arange(3), 7)
 
 
 def test_stratified_points_fill_every_stratum_once():
@@ -227,6 +232,45 @@ def test_edm_wrapper_presents_the_vp_interface_of_its_prediction_type(tiny_sd, m
     torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
 
 
+def test_edm_diffusion_training_is_a_unit_weight_mse_on_the_network_target(tiny_sd, monkeypatch):
+    """Plain diffusion with EDM's preconditioning and ``loss_weighting=edm``: the training loss is exactly
+    mean ||F - F*||^2 of the inner network's output F, F* = (x0 - c_skip x) / c_out (EDM's effective target, weight 1
+    at every sigma: Karras et al. 2022, eq. 8 with table 1's lambda), and its timesteps come from EDM's lognormal."""
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+
+    from distill.methods.diffusion import DiffusionTraining
+    from distill.models.conditioning import TextConditioner
+    from distill.models.teacher import load_teacher
+    from distill.models.unet import build_text_unet
+
+    teacher = load_teacher(str(tiny_sd))
+    torch.manual_seed(0)
+    method = DiffusionTraining(
+        build_text_unet(8, 4, size="debug", cross_attention_dim=32),
+        DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False),
+        TextConditioner(teacher.text_encoder, teacher.tokenizer), torch.optim.AdamW, vae=teacher.vae,
+        loss_weighting="edm", noise={"preconditioning": "edm", "sigma_data": 0.5})
+    seen = {}
+    raw = torch.randn(6, 4, 8, 8, generator=torch.Generator().manual_seed(5))  # the inner network's answer F
+
+    def inner(self, sample, timestep, encoder_hidden_states, *args, **kwargs):
+        seen["sigma"] = (timestep.double() / 250).exp()  # c_noise = 1000 ln(sigma) / 4
+        return type("Out", (), {"sample": raw})()
+
+    latents, draw = method.latents, method.draw_noise
+    monkeypatch.setattr(UNet2DConditionModel, "forward", inner)
+    monkeypatch.setattr(method, "latents", lambda b, g=None: seen.setdefault("x0", latents(b, g)))
+    monkeypatch.setattr(method, "draw_noise", lambda like, g=None: seen.setdefault("eps", draw(like, g)))
+    batch = {"pixel_values": torch.rand(6, 1, 32, 32) * 2 - 1, "caption": ["a handwritten digit two"] * 6}
+    loss = method.loss(batch, torch.Generator().manual_seed(1), drop_conditions=False)
+    sigma, x0 = seen["sigma"].view(-1, 1, 1, 1), seen["x0"].double()
+    x = x0 + sigma * seen["eps"].double()
+    c_skip, c_out = 0.25 / (sigma ** 2 + 0.25), sigma * 0.5 / (sigma ** 2 + 0.25).sqrt()
+    want = (raw.double() - (x0 - c_skip * x) / c_out).pow(2).mean()
+    assert float(loss) == pytest.approx(float(want), rel=1e-4)
+    assert float(method.time_target[:200].sum()) > 0.5  # most of ln sigma ~ N(-1.2, 1.2^2) lies below t = 200
+
+
 def test_edm_student_exports_and_samples_through_diffusers_default_call(tiny_sd, tmp_path):
     """An EDM-preconditioned student saved in a pipeline folder loads back as the same function and samples with
     DiffusionPipeline.from_pretrained(folder)(prompt), no other argument."""
@@ -258,30 +302,134 @@ def test_edm_student_exports_and_samples_through_diffusers_default_call(tiny_sd,
 
 
 def test_methods_draw_with_the_options_and_feed_the_adaptive_history(tiny_sd):
-    """LCM with antithetic noise, stratified adaptive times: the noise comes in exact pairs, the bins cover the
-    grid's strata, each training loss records its examples, and a validation loss draws plainly (no weights)."""
+    """LCM with antithetic noise, stratified adaptive times: the noise comes in exact pairs, the pairs' distinct
+    rows cover the grid's strata and their partners repeat the bins, each training loss records its examples, and a
+    validation loss draws plainly (no weights, no pairs)."""
     from distill.methods.consistency import LatentConsistencyDistillation
     from distill.models.students import copy_student
     from distill.models.teacher import load_teacher
 
     method = LatentConsistencyDistillation(
         load_teacher(str(tiny_sd)), copy_student, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_ddim_timesteps=10,
-        noise={"antithetic": True, "stratified": True, "timesteps": "adaptive", "history": 1})
+        noise={"antithetic": True, "stratified": True, "timesteps": "adaptive", "history": 2})
     g = torch.Generator().manual_seed(0)
     eps = method.draw_noise(torch.zeros(6, 4, 8, 8), g)
     assert torch.equal(eps[3:], -eps[:3])
-    bins, w = method.draw_time_bins(10, method.time_sigmas, g)
-    assert sorted(bins.tolist()) == list(range(10)) and w is not None
-    batch = {"pixel_values": torch.rand(10, 1, 32, 32) * 2 - 1, "caption": ["a handwritten digit one"] * 10}
+    bins, w = method.draw_time_bins(20, method.time_sigmas, g)
+    assert sorted(bins[:10].tolist()) == list(range(10)) and torch.equal(bins[10:], bins[:10]) and w is not None
+    batch = {"pixel_values": torch.rand(20, 1, 32, 32) * 2 - 1, "caption": ["a handwritten digit one"] * 20}
     assert torch.isfinite(method.loss(batch, g))
-    assert bool((method._time_sampler.counts == 1).all())  # stratified over a uniform proposal: one per bin
-    q = method._time_sampler.probabilities()  # warmed up (history 1): now the adaptive proposal
+    assert bool((method._time_sampler.counts == 2).all())  # 10 stratified distinct rows, each twice
+    q = method._time_sampler.probabilities()  # warmed up (history 2): now the adaptive proposal
     assert not torch.allclose(q, torch.full_like(q, 0.1))  # mixed with 0.1 of p: q >= 0.01
     assert float(q.min()) >= 0.01 - 1e-12
-    assert torch.isfinite(method.loss(batch, g)) and int(method._time_sampler.counts.sum()) == 20
+    assert torch.isfinite(method.loss(batch, g)) and int(method._time_sampler.counts.sum()) == 40
     method.eval()
     bins, w = method.draw_time_bins(10, method.time_sigmas, g)
     assert w is None and sorted(bins.tolist()) == list(range(10))
+    eps = method.draw_noise(torch.zeros(6, 4, 8, 8), g)
+    assert not torch.allclose(eps[3:], -eps[:3])
+
+
+# ---------------------------------------------------------------- antithetic pairs in every method
+
+
+def _antithetic_methods():
+    from diffusers import DDPMScheduler
+
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.methods.consistency_training import ConsistencyTraining
+    from distill.methods.diffusion import DiffusionTraining
+    from distill.methods.feature_distillation import FeatureDistillation
+    from distill.methods.progressive import ProgressiveDistillation
+    from distill.models.conditioning import TextConditioner
+    from distill.models.students import copy_student, fresh_student
+    from distill.models.unet import build_text_unet
+
+    def w_student(u):
+        return copy_student(u, time_cond_proj_dim=8)
+
+    opt = torch.optim.AdamW
+    return {
+        "diffusion": lambda t, noise: DiffusionTraining(
+            build_text_unet(8, 4, size="debug", cross_attention_dim=32),
+            DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False),
+            TextConditioner(t.text_encoder, t.tokenizer), opt, cond_dropout=0.5, vae=t.vae, noise=noise),
+        "lcm": lambda t, noise: LatentConsistencyDistillation(t, w_student, opt, num_ddim_timesteps=10, noise=noise),
+        "progressive": lambda t, noise: ProgressiveDistillation(t, w_student, opt, start_steps=8, final_steps=2, guided_stage_steps=3,
+                                                                noise=noise),
+        "feature": lambda t, noise: FeatureDistillation(t, copy_student, opt, cond_dropout=0.5, noise=noise),
+        "ect": lambda t, noise: ConsistencyTraining(t, copy_student, opt, variant="ect", curriculum_steps=100,
+                                                    noise=noise),
+        "ict": lambda t, noise: ConsistencyTraining(t, fresh_student, opt, variant="ict", curriculum_steps=100,
+                                                    noise=noise),
+    }
+
+
+@pytest.mark.parametrize("name", ["diffusion", "lcm", "progressive", "feature", "ect", "ict"])
+def test_antithetic_pairs_differ_only_in_the_sign_of_the_noise(tiny_sd, monkeypatch, name):
+    """Rows i and i + N/2 of a training loss are one example (image, caption, posterior draw), one t, one guidance
+    scale and one dropout decision with noise eps and -eps: the student's input with the noise zeroed is the same for
+    both rows, and its noise part is odd. Issue 30 item 4: the pairs had different x0, t and w (pair correlation of
+    the ECT loss -0.006), so nothing cancelled."""
+    from distill.models.teacher import load_teacher
+
+    torch.manual_seed(0)
+    method = _antithetic_methods()[name](load_teacher(str(tiny_sd)), {"antithetic": True, "stratified": True})
+    method.train()
+    calls = []
+
+    def record(module, args, kwargs):
+        named = dict(zip(["sample", "timestep", "encoder_hidden_states"], args), **kwargs)
+        calls.append({k: named.get(k) for k in ("sample", "timestep", "encoder_hidden_states", "timestep_cond")})
+
+    method.student.register_forward_pre_hook(record, with_kwargs=True)
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven"]
+    batch = {"pixel_values": torch.rand(8, 1, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1,
+             "caption": [f"a handwritten digit {w}" for w in words]}
+    inputs, draw = [], method.draw_noise
+    for zero_noise in (False, True):  # the same draws twice; the second time the noise is multiplied by 0
+        if zero_noise:
+            monkeypatch.setattr(method, "draw_noise", lambda like, g=None: draw(like, g) * 0)
+        calls.clear()
+        with torch.no_grad():
+            method.loss(batch, torch.Generator().manual_seed(7))
+        inputs.append(calls[0])  # the student's own (trained) pass
+    noisy, clean = inputs
+    for key in ("timestep", "encoder_hidden_states", "timestep_cond"):
+        value = torch.as_tensor(clean[key]) if clean[key] is not None else None
+        if value is not None and value.ndim > 0:
+            assert torch.allclose(value[:4].float(), value[4:].float(), atol=1e-6), key
+            assert torch.equal(value, torch.as_tensor(noisy[key])), key
+    x = clean["sample"]
+    assert torch.allclose(x[:4], x[4:], atol=1e-6)  # same x0 and t: the same noiseless input
+    assert not torch.allclose(x[0], x[1], atol=1e-3)  # four distinct examples
+    noise_part = noisy["sample"] - x
+    assert torch.allclose(noise_part[:4], -noise_part[4:], atol=1e-5) and float(noise_part.abs().max()) > 0.1
+
+
+def test_antithetic_pairs_cancel_the_odd_part_of_a_quadratic_loss():
+    """Toy: per-row loss L = (c x0 + d eps)^2 = A + B + C (A = c^2 x0^2, B = 2 c d x0 eps, C = d^2 eps^2) on a
+    two-point data set x0 = +-1. Pairs sharing x0 (``pair_rows``, ``antithetic_noise``) average to A + C, the odd B
+    cancelled: an N-row batch mean has 2 Var C / (Var B + Var C) = 0.086 of the i.i.d. variance. Pairs that do not
+    share x0 (issue 30 item 4's bug) keep c d eps (x0_a - x0_b): 1 + 2 d^2 / (4 c^2 + 2 d^2) = 1.043, nothing gained."""
+    c, d, n, reps = 1.0, 0.3, 16, 20000
+    g = torch.Generator().manual_seed(0)
+    var_b, var_c = 4 * c ** 2 * d ** 2, 2 * d ** 4  # Var A = 0: x0^2 = 1
+    shared_expected, unshared_expected = 2 * var_c / (var_b + var_c), 1 + var_c / (var_b + var_c)
+
+    def batch_mean_variance(x0, eps):
+        return float(((c * x0 + d * eps) ** 2).mean(1).var())
+
+    x0 = torch.randint(0, 2, (reps, n), generator=g).double() * 2 - 1
+    iid = batch_mean_variance(x0, torch.randn(reps, n, generator=g, dtype=torch.float64))
+    pairs = antithetic_noise((n, reps), g, dtype=torch.float64).T  # (reps, n): columns i, i + n/2 opposite
+    shared = batch_mean_variance(pair_rows(x0.T).T, pairs)
+    unshared = batch_mean_variance(x0, pairs)
+    assert (shared_expected, unshared_expected) == pytest.approx((0.0861, 1.0431), abs=1e-4)
+    # a variance from 20,000 batch means errs by ~sqrt(2 / 20,000) = 1%: 5% is 5 standard errors
+    assert shared / iid == pytest.approx(shared_expected, rel=0.05)
+    assert unshared / iid == pytest.approx(unshared_expected, rel=0.05)
 
 
 def test_cli_noise_options_and_edm_student_train_checkpoint_and_export(tiny_sd, tmp_path):

@@ -1,13 +1,19 @@
 """Lower-variance noise and time sampling for a training step, shared by the methods (``method.noise``).
 
-- Antithetic noise: the batch's noise comes in pairs (eps, -eps), so that terms odd in eps cancel within a pair.
+- Antithetic noise: the batch's rows come in pairs that share every draw (the example x0 and its conditioning, t,
+  the guidance scale, the condition dropout) but the noise, eps and -eps, so that terms of the loss or its gradient
+  odd in eps cancel within a pair. A batch of N rows then holds ceil(N/2) distinct examples (``pair_rows``): the
+  cost of a step is unchanged, its data halved.
 - Stratified (low-discrepancy) indices: one shared uniform offset, the batch spread evenly over the bins.
 - Importance sampling of the time bin: each method defines a target distribution p over its K time bins (uniform
   over its grid, or iCT's lognormal pairs); a proposal q (lognormal in noise level, or adaptive: q proportional to
   p sqrt(E[loss^2]) per bin from a running history, the variance-minimising choice for a non-negative loss,
   Nichol & Dhariwal 2021, sec. 3.3), mixed with p, draws the bins, and each example's loss is multiplied by
   p(bin) / q(bin), so that the batch loss stays an unbiased estimate of the method's own loss.
-- EDM preconditioning (Karras et al. 2022, table 1) as a student wrapper: ``distill.models.precondition``.
+- EDM preconditioning (Karras et al. 2022, table 1, "network and preconditioning": c_skip, c_out, c_in, c_noise) as a
+  student wrapper: ``distill.models.precondition``. EDM's training objective (table 1, "training": lambda(sigma) and
+  ln sigma ~ N(P_mean, P_std^2)) is a loss, not a sampler option: ``method.loss_weighting=edm`` of plain diffusion
+  training (``distill.diffusion.losses.edm_loss_weight``, ``edm_timestep_probabilities``).
 """
 
 from __future__ import annotations
@@ -19,18 +25,22 @@ import torch
 
 PROPOSALS = ("default", "lognormal", "adaptive")
 PRECONDITIONINGS = ("none", "edm")
+EDM_P_MEAN, EDM_P_STD = -1.2, 1.2  # EDM's training noise distribution, ln sigma ~ N(P_mean, P_std^2) (table 1)
 
 
 @dataclasses.dataclass
 class NoiseOptions:
     """``method.noise``: how a training step draws its noise and times (the same options for every method).
 
-    ``antithetic``: the noise in (eps, -eps) pairs. ``stratified``: the batch's times at stratified quantiles of
+    ``antithetic``: training rows in pairs (i, i + ceil(N/2)) that share the example, its conditioning, t and w and
+    differ only in the sign of the noise (eps, -eps): N rows hold ceil(N/2) distinct examples. ``stratified``: the batch's times at stratified quantiles of
     their distribution. ``timesteps``: the proposal of the time bins (``default``: the method's own distribution,
     weights 1; ``lognormal``: log sigma ~ N(p_mean, p_std^2) over the bins' noise levels; ``adaptive``: from the
     last ``history`` losses of each bin), mixed with the method's distribution by ``uniform_mix`` and re-weighted
     to stay unbiased. ``preconditioning``: ``edm`` wraps a freshly initialised student in EDM's c_in, c_out,
-    c_skip and c_noise (``sigma_data``)."""
+    c_skip and c_noise (``sigma_data``), the network's parametrisation only: each method keeps its own loss
+    (EDM's loss weighting and noise distribution: plain diffusion's ``method.loss_weighting=edm``, which reads
+    ``sigma_data`` too)."""
 
     antithetic: bool = False
     stratified: bool = False
@@ -72,12 +82,30 @@ class NoiseOptions:
         return not (self.antithetic or self.stratified) and self.timesteps == "default"
 
 
+def distinct_rows(n: int) -> int:
+    """How many distinct examples a batch of ``n`` antithetic rows holds: ceil(n / 2)."""
+    return (n + 1) // 2
+
+
+def pair_rows(x, n: int | None = None):
+    """The rows of an antithetic batch of ``n`` rows (default ``len(x)``) from the first ``distinct_rows(n)`` rows of
+    ``x`` (a tensor or a list): those rows, then its first floor(n / 2) rows again, so that row i + ceil(n/2) repeats
+    row i (an odd n's middle row, the last of the first half, has no partner)."""
+    n = len(x) if n is None else n
+    m = distinct_rows(n)
+    if len(x) < m:
+        raise ValueError(f"pairing {n} rows needs at least {m} drawn rows; got {len(x)}")
+    if isinstance(x, torch.Tensor):
+        return torch.cat([x[:m], x[:n - m]])
+    return [*x[:m], *x[:n - m]]
+
+
 def antithetic_noise(shape: tuple[int, ...], generator: torch.Generator | None = None,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(N, ...) standard normal noise whose rows i and i + ceil(N/2) are exact negatives (an odd N's middle row,
-    the last of the first half, has no partner)."""
+    the last of the first half, has no partner): the noise of the rows that ``pair_rows`` pairs."""
     n = shape[0]
-    half = torch.randn(((n + 1) // 2, *shape[1:]), generator=generator, dtype=dtype)
+    half = torch.randn((distinct_rows(n), *shape[1:]), generator=generator, dtype=dtype)
     return torch.cat([half, -half])[:n]
 
 
@@ -104,6 +132,14 @@ def lognormal_bin_probabilities(sigmas: torch.Tensor, p_mean: float = -1.1, p_st
         mass = torch.zeros_like(mass)
         mass[0 if float(log_s[0]) > p_mean else -1] = 1.0
     return mass / mass.sum()
+
+
+def edm_timestep_probabilities(sigmas: torch.Tensor) -> torch.Tensor:
+    """EDM's training noise distribution ln sigma ~ N(-1.2, 1.2^2) (Karras et al. 2022, table 1) on a discrete
+    schedule's ascending noise levels ``sigmas`` (sigma_t = sqrt((1 - abar_t) / abar_t), the VE level of
+    x_t / alpha_t): each timestep gets the distribution's mass between the log-midpoints to its neighbours
+    (``lognormal_bin_probabilities``), normalised over the schedule's range."""
+    return lognormal_bin_probabilities(sigmas, EDM_P_MEAN, EDM_P_STD)
 
 
 class TimeSampler:

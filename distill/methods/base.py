@@ -15,7 +15,9 @@ from distill.diffusion.noise import (
     NoiseOptions,
     TimeSampler,
     antithetic_noise,
+    distinct_rows,
     lognormal_bin_probabilities,
+    pair_rows,
 )
 
 
@@ -110,7 +112,9 @@ class DistillMethod(L.LightningModule):
 
     ``noise`` (``method.noise``, ``distill.diffusion.noise.NoiseOptions``): how each step draws its noise
     (``draw_noise``: antithetic pairs) and its times (``draw_time_bins``: stratified, importance-sampled with
-    unbiasing weights); a method passes its time grid's noise levels and weights its per-example losses.
+    unbiasing weights); a method passes its time grid's noise levels and weights its per-example losses. With
+    antithetic pairs a method's loss pairs its batch first (``paired_batch``) and its other per-example draws (the
+    guidance scale, the condition dropout: ``paired``), so that a pair differs only in the sign of its noise.
     """
 
     def __init__(self, optimizer: Callable, lr_scheduler: Callable | None = None, *, compile: bool = False,
@@ -134,9 +138,37 @@ class DistillMethod(L.LightningModule):
 
     # ------------------------------------------------------------------ noise and time sampling (method.noise)
 
+    @property
+    def antithetic(self) -> bool:
+        """Whether this loss draws antithetic pairs: ``method.noise.antithetic`` in training (a validation loss
+        evaluates every example of its batch, with i.i.d. noise)."""
+        return self.noise.antithetic and self.training
+
+    def distinct_rows(self, n: int) -> int:
+        """How many rows of a batch of ``n`` draw their own times, scales and examples: ceil(n/2) with antithetic
+        pairs (the rest repeat them, ``paired``), else n."""
+        return distinct_rows(n) if self.antithetic else n
+
+    def paired(self, x, n: int | None = None):
+        """With antithetic pairs, ``x``'s rows for a batch of ``n`` (default ``len(x)``): row i + ceil(n/2) repeats
+        row i (``distill.diffusion.noise.pair_rows``); ``x`` itself otherwise."""
+        return pair_rows(x, n) if self.antithetic else x
+
+    def paired_batch(self, batch: dict) -> dict:
+        """The batch with every per-example entry (a tensor or list of N rows: images, cached latents, captions)
+        ``paired``: the examples of the antithetic pairs (the batch itself without them)."""
+        if not self.antithetic:
+            return batch
+        from distill.data.latents import batch_size_of
+
+        n = batch_size_of(batch)
+        per_example = {k for k, v in batch.items()
+                       if isinstance(v, torch.Tensor) and v.ndim > 0 and len(v) == n or isinstance(v, (list, tuple)) and len(v) == n}
+        return {k: pair_rows(v) if k in per_example else v for k, v in batch.items()}
+
     def draw_noise(self, like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Standard normal noise shaped and placed as ``like``: i.i.d., or antithetic pairs (eps, -eps)."""
-        if self.noise.antithetic:
+        if self.antithetic:
             return antithetic_noise(tuple(like.shape), generator).to(like)
         return torch.randn(like.shape, generator=generator).to(like)
 
@@ -166,7 +198,9 @@ class DistillMethod(L.LightningModule):
         if not self.training:
             target = None if target is None else target.cpu()
             return TimeSampler(len(sigmas), "default", self.noise.stratified, target=target).sample(n, generator)[0], None
-        bins, weights = self.time_sampler(sigmas, target, stage).sample(n, generator)
+        # antithetic pairs: the distinct rows draw (stratified over them), their partners repeat the draws
+        bins, weights = self.time_sampler(sigmas, target, stage).sample(self.distinct_rows(n), generator)
+        bins, weights = self.paired(bins, n), self.paired(weights, n)
         return bins, (None if self.noise.timesteps == "default" else weights.float())
 
     def record_time_losses(self, bins: torch.Tensor, losses: torch.Tensor) -> None:
@@ -302,12 +336,13 @@ class DistillMethod(L.LightningModule):
 
     def latents(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         """The batch in the diffusion space: a draw from the cached VAE posterior (``latent_mean``/``latent_std``,
-        the same draw ``encode`` makes with the same generator), or ``encode`` of its images."""
+        the same draw ``encode`` makes with the same generator), or ``encode`` of its images; ``paired`` (the rows
+        of a ``paired_batch`` share their posterior draw too)."""
         if "latent_mean" in batch:
             mean, std = batch["latent_mean"], batch["latent_std"]
             noise = torch.randn(mean.shape, generator=generator).to(mean)
-            return (mean + std * noise) * self.vae.config.scaling_factor
-        return self.encode(batch["pixel_values"], generator)
+            return self.paired((mean + std * noise) * self.vae.config.scaling_factor)
+        return self.paired(self.encode(batch["pixel_values"], generator))
 
     def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Images (N, C, H, W) -> the diffusion space; each method with a VAE or pixel space defines it."""

@@ -97,13 +97,14 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
     # ------------------------------------------------------------------ objective
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)  # (N, 4, h, w)
         n, device = x0.shape[0], x0.device
         bins, iw = self.draw_time_bins(n, self.time_sigmas, generator)
         t = self.solver_timesteps[bins.to(device)]  # t_n
         t_prev = (t - self.skip).clamp(min=0)  # t_{n-k}
         w = (self.guidance_scale_min - 1) + (self.guidance_scale_max - self.guidance_scale_min) * torch.rand(n, generator=generator)
-        w = w.to(device)  # LCM's w = cfg scale - 1
+        w = self.paired(w).to(device)  # LCM's w = cfg scale - 1
         w_kwargs = guidance_condition(w, self.w_dim, x0)
         cond, uncond = self.text_conditions(batch, n, device)
 

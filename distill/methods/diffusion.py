@@ -18,6 +18,7 @@ from distill.diffusion import (
     snr_weight,
 )
 from distill.diffusion.consistency_training import vp_sigmas
+from distill.diffusion.noise import edm_timestep_probabilities
 from distill.inference.schedulers import make_scheduler, scheduler_options
 from distill.methods.base import (
     DistillMethod,
@@ -33,6 +34,11 @@ class DiffusionTraining(DistillMethod):
 
     With a ``vae`` this is latent diffusion (Rombach et al. 2022): x0 = vae.encode(image) * scaling_factor,
     and the frozen VAE decodes samples; with a text conditioner the export is a StableDiffusionPipeline.
+
+    ``loss_weighting``: ``min_snr``, ``truncated_snr``, ``none`` (t uniform over the timesteps), or ``edm``, EDM's
+    training objective (Karras et al. 2022, table 1): lambda(sigma) on ||D - x0||^2 with t drawn from ln sigma ~
+    N(-1.2, 1.2^2) mapped onto the discrete timesteps (``edm_timestep_probabilities``), ``method.noise.sigma_data``
+    the data's std. With ``method.noise.preconditioning=edm`` too it is EDM's recipe: a unit-weight MSE on F.
     """
 
     def __init__(
@@ -76,6 +82,14 @@ class DiffusionTraining(DistillMethod):
         self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.clone().float(), persistent=False)
         self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
         self.register_buffer("time_sigmas", vp_sigmas(noise_scheduler.alphas_cumprod).float(), persistent=False)  # per timestep
+        self.time_target = None  # the timesteps' distribution: uniform, or EDM's lognormal in sigma
+        if loss_weighting == "edm":
+            sigmas = vp_sigmas(noise_scheduler.alphas_cumprod.double())
+            if not bool(torch.isfinite(sigmas).all()) or float(sigmas.min()) <= 0:
+                raise ValueError("method.loss_weighting=edm needs 0 < alpha_bar < 1 at every timestep (finite sigma); "
+                                 "this schedule has zero terminal SNR (rescale_betas_zero_snr): set it to false or "
+                                 "choose another method.loss_weighting")
+            self.time_target = edm_timestep_probabilities(sigmas)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -100,19 +114,21 @@ class DiffusionTraining(DistillMethod):
         return self.vae.decode(x0 / self.vae.config.scaling_factor).sample
 
     def loss(self, batch: dict, generator: torch.Generator | None = None, drop_conditions: bool = True) -> torch.Tensor:
+        batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)  # (N, C, H, W)
         n = x0.shape[0]
-        bins, iw = self.draw_time_bins(n, self.time_sigmas, generator)
+        bins, iw = self.draw_time_bins(n, self.time_sigmas, generator, target=self.time_target)
         t = bins.to(x0.device)
         eps = self.draw_noise(x0, generator)
-        drop = (torch.rand(n, generator=generator) < self.cond_dropout) if drop_conditions else None
+        drop = self.paired(torch.rand(n, generator=generator) < self.cond_dropout) if drop_conditions else None
         cond = self.conditioner(batch, drop)
         cond = {k: v.to(x0.device) for k, v in cond.items()}
         alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x0.ndim)
         x_t = add_noise(x0, eps, alpha, sigma)
         pred = self.denoise(x_t, t, **cond)
         target = prediction_target(self.prediction_type, x0, eps, alpha, sigma)
-        weight = snr_weight(snr(alpha, sigma), self.prediction_type, self.loss_weighting, self.snr_gamma)
+        weight = snr_weight(snr(alpha, sigma), self.prediction_type, self.loss_weighting, self.snr_gamma,
+                            sigma_data=self.noise.sigma_data)
         per_example = diffusion_loss(pred, target, weight, reduce=False)
         if self.training:
             self.record_time_losses(bins, per_example)

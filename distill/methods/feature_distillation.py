@@ -142,9 +142,10 @@ class FeatureDistillation(TeacherStudentDistillation):
 
     def loss_terms(self, batch: dict, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
         """The three terms (unweighted) and their weighted sum ``loss`` at one noise level per example."""
+        batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)
         n = x0.shape[0]
-        drop = torch.rand(n, generator=generator) < self.cond_dropout if self.cond_dropout > 0 else None
+        drop = self.paired(torch.rand(n, generator=generator) < self.cond_dropout) if self.cond_dropout > 0 else None
         cond = self.conditioner(batch, drop)["encoder_hidden_states"]
         bins, iw = self.draw_time_bins(n, self.time_sigmas, generator)
         t = bins.to(x0.device)

@@ -61,6 +61,10 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         sampling: dict | None = None,
         **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
+        if loss_weighting == "edm":
+            raise ValueError("method.loss_weighting=edm is EDM's denoising objective, t drawn lognormally over the "
+                             "schedule (plain diffusion training); progressive distillation trains on its student "
+                             "grid: use truncated_snr, min_snr or none")
         rounds = round_schedule(start_steps, final_steps)  # student step counts, e.g. [32, 16, 8, 4]
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=guidance_scale_min,
                          guidance_scale_max=guidance_scale_max, **speed)
@@ -182,10 +186,11 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         return ddim_step(x0, eps, a_next, s_next)
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)
         n, steps = x0.shape[0], self.student_steps
         cond, uncond = self.text_conditions(batch, n, x0.device)
-        scale = self._scales(n, generator).to(x0.device)
+        scale = self.paired(self._scales(n, generator)).to(x0.device)
         w_kwargs = guidance_condition(scale - 1.0, self.w_dim, x0)  # pipelines embed w = scale - 1
         # bins 0..steps-1 = student grid points i = 1..steps (ascending noise: i = 0 is the clean end)
         grid = self._times(torch.arange(1, steps + 1, device=self.abar.device), steps)
