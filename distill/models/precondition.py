@@ -1,5 +1,7 @@
 """EDM preconditioning (Karras et al. 2022, "Elucidating the Design Space of Diffusion-Based Generative Models",
-table 1) as a student wrapper: ``method.noise.preconditioning=edm``.
+table 1, "network and preconditioning") as a student wrapper: ``method.noise.preconditioning=edm``. It is the
+network's parametrisation only; table 1's training rows (lambda(sigma), ln sigma ~ N(-1.2, 1.2^2)) are plain
+diffusion's ``method.loss_weighting=edm`` (``distill.diffusion.losses.edm_loss_weight``).
 
 The network F sees its input and noise level scaled to unit variance and learns an effective target of unit
 variance; the denoiser is D(x; sigma) = c_skip(sigma) x + c_out(sigma) F(c_in(sigma) x; c_noise(sigma)) with
