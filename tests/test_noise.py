@@ -502,6 +502,16 @@ def test_grad_variance_bench_on_a_tiny_teacher(tiny_sd, tmp_path, monkeypatch):
     assert [r["option"] for r in rows] == ["default", "default", "antithetic"]
     assert float(rows[0]["ratio"]) == 1.0 and float(rows[1]["trace_var"]) == float(rows[0]["trace_var"])
     assert float(rows[2]["trace_var"]) > 0 and float(rows[2]["trace_var"]) != float(rows[0]["trace_var"])
+    # --draws: the noise's own variance at fixed batches, streamed; the same option twice gives the same numbers
+    assert bench.streamed_trace_var(torch.from_numpy(g.sum(0)), float((g ** 2).sum()), 6) == pytest.approx(
+        bench.trace_var(g))
+    bench.main(["--batches", "4", "--batch-size", "4", "--draws", "3", "--options", "default", "default", "--out", "gv",
+                "--bootstrap", "20", "--", f"teacher.pretrained_model_name_or_path={tiny_sd}",
+                "student.time_cond_proj_dim=32", "callbacks.quality_cost=null"])
+    rows = list(csv.DictReader(open(tmp_path / "gv" / "consistency.csv")))
+    assert float(rows[0]["noise_var"]) > 0 and float(rows[1]["noise_var"]) == float(rows[0]["noise_var"])
+    assert float(rows[1]["noise_ratio"]) == 1.0 and float(rows[1]["noise_ratio_se"]) == 0.0
+    assert "--draws 3" in (tmp_path / "gv" / "consistency.md").read_text()
 
 
 def test_quality_curve_reads_runs_and_finds_the_first_step_at_a_target(tmp_path):
