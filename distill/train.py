@@ -107,6 +107,7 @@ def _instantiate_all(cfg: DictConfig):
     from distill.utils.checkpoint import AtomicCheckpointIO, local_path
 
     datamodule = instantiate(cfg.data)
+    datamodule.setup("fit")  # an empty, unreadable or too small data set fails here, before any model is built
     student = instantiate(cfg.student)
     extra = {"student": student, "sampling": OmegaConf.to_container(cfg.scheduler, resolve=True)}
     if cfg.teacher:  # teacher=none composes to an empty node
@@ -189,7 +190,6 @@ def run(cfg: DictConfig) -> dict:
         datamodule, method, trainer = _instantiate_all(cfg)
         if hasattr(method, "check_latent_cache"):
             method.check_latent_cache(datamodule)
-        datamodule.setup("fit")  # an empty or unreadable data folder fails here, before any compute
         if isinstance(datamodule, ResumableDataMixin):
             _quiet_known_warnings()
         if checkpoint is not None:

@@ -6,6 +6,7 @@ Unknown keys, wrong types and values outside a fixed set of choices are Hydra's 
 
 from __future__ import annotations
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 
@@ -162,6 +163,92 @@ def _check_eval(cfg: DictConfig) -> None:
         raise ConfigError(str(err)) from err
 
 
+def writable_folder_error(key: str, path: str) -> str | None:
+    """Why a local output folder ``path`` cannot be created and written (None when it can): the nearest folder
+    that exists on the way to it is probed with a temporary file, which a read-only file system, missing
+    permissions or a file in the way refuse. Other file systems (s3://, gs://) are not probed."""
+    import tempfile
+    from pathlib import Path
+
+    from distill.utils.checkpoint import local_path
+
+    try:
+        folder = local_path(path)
+    except ImportError:  # a remote file system whose package is missing: reported where it is opened
+        return None
+    if folder is None:
+        return None
+    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        return f"{key}={str(path)!r} cannot be created: {existing} is a file; choose a folder path"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        where = "" if existing == folder.absolute() else f" (at {existing}, the nearest folder that exists)"
+        return (f"{key}={str(path)!r} cannot be written{where}: {err.strerror or err}; choose a writable folder, "
+                f"e.g. {key}={Path.home() / 'runs'}")
+    return None
+
+
+class WritableOutputDir(Callback):
+    """A Hydra callback (conf/hydra): a run or sweep directory that cannot be written is refused, exit 2, before
+    Hydra creates it (Hydra's own failure there is a traceback, before any check of the task runs)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check("hydra.run.dir", config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check("hydra.sweep.dir", config.hydra.sweep.dir)
+
+    @staticmethod
+    def _check(key: str, path: str) -> None:
+        import sys
+
+        error = writable_folder_error(key, str(path))
+        if error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+
+
+def _check_outputs(cfg: DictConfig) -> None:
+    """The checkpoint folder can be written: a read-only one would fail at the first save, after training started.
+    (A path that resolves only inside a Hydra run, as a composed config outside one, is not probed.)"""
+    dirpath = OmegaConf.select(cfg, "checkpoint.dirpath", throw_on_resolution_failure=False)
+    error = writable_folder_error("checkpoint.dirpath", str(dirpath)) if dirpath is not None else None
+    if error:
+        raise ConfigError(error)
+
+
+def _check_optimizers(node, prefix: str = "method") -> None:
+    """Every learning rate under the method (the optimizer of each role) is positive."""
+    for key in node.keys() if isinstance(node, DictConfig) else ():
+        if OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key):
+            continue
+        value = node[key]
+        if isinstance(value, DictConfig):
+            _check_optimizers(value, f"{prefix}.{key}")
+        elif key == "lr" and isinstance(value, int | float) and not value > 0:
+            raise ConfigError(f"{prefix}.lr={value} must be > 0 (the optimizer's learning rate, e.g. {prefix}.lr=1e-4)")
+
+
+def _check_trainer_and_resilience(cfg: DictConfig) -> None:
+    import signal
+
+    interval = cfg.trainer.get("val_check_interval")
+    if isinstance(interval, bool) or (isinstance(interval, int) and interval < 1) or (
+            isinstance(interval, float) and not 0.0 < interval <= 1.0):
+        raise ConfigError(f"trainer.val_check_interval={interval} must be a number of training steps >= 1 or a "
+                          "fraction of an epoch in (0, 1]; to skip validation set trainer.limit_val_batches=0")
+    uncatchable = (signal.SIGKILL, signal.SIGSTOP)
+    for name in cfg.resilience.preemption_signals:
+        sig = getattr(signal, str(name), None)
+        if not str(name).startswith("SIG") or not isinstance(sig, signal.Signals) or sig in uncatchable:
+            raise ConfigError(f"resilience.preemption_signals: {name!r} is not a signal a process can catch; use "
+                              "names such as SIGUSR1 (SLURM's --signal) or SIGTERM (Kubernetes, SLURM), e.g. "
+                              "resilience.preemption_signals=[SIGUSR1,SIGTERM]")
+
+
 def is_xla(accelerator) -> bool:
     """Whether a trainer config's ``accelerator`` is an XLA device (``tpu`` or ``distill.utils.xla.PJRTAccelerator``)."""
     target = accelerator.get("_target_", "") if isinstance(accelerator, DictConfig) else ""
@@ -187,6 +274,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint.save_top_k={cfg.checkpoint.save_top_k} must be >= -1 (-1 keeps all)")
     if "batch_size" in cfg.data and cfg.data.batch_size < 1:
         raise ConfigError(f"data.batch_size={cfg.data.batch_size} must be >= 1")
+    if "num_workers" in cfg.data and cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0 (0 loads in the main process)")
+    _check_trainer_and_resilience(cfg)
+    _check_optimizers(cfg.method)
     if "resolution" in cfg.data and "sample_size" in cfg.student:
         _check_sizes(cfg)
     if cfg.teacher and "pretrained_model_name_or_path" in cfg.teacher:
@@ -238,6 +329,7 @@ def validate(cfg: DictConfig) -> None:
                     f"{name!r}; add it to the list ({group}=[...,{name}]) or drop it with {group}.{name}=null"
                 )
     _check_extras(cfg)
+    _check_outputs(cfg)
     if cfg.get("eval") is not None:
         _check_eval(cfg)
     if cfg.ckpt_path not in (None, "last"):

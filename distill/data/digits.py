@@ -93,6 +93,9 @@ class DigitsDataModule(ResumableDataMixin, L.LightningDataModule):
         images, labels = load_digit_images(self.resolution)
         images = images.expand(-1, self.channels, -1, -1).contiguous()
         train, heldout = split_indices(labels, self.heldout_fraction, self.split_seed)
+        if len(train) < self.batch_size:  # whole batches only (drop_last): not one would be drawn
+            raise ValueError(f"data.batch_size={self.batch_size} is larger than the training set ({len(train)} images "
+                             f"at data.heldout_fraction={self.heldout_fraction}); set data.batch_size <= {len(train)}")
         self.train_set = DigitsDataset(images[train], labels[train])
         self.heldout_set = DigitsDataset(images[heldout], labels[heldout])
 

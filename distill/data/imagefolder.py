@@ -80,9 +80,9 @@ class ImageFolderDataModule(ResumableDataMixin, L.LightningDataModule):
         files = sorted(p for p in self.root.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS)
         good = []
         for path in files:
-            try:
+            try:  # decoded whole: verify() passes a truncated JPEG, which then fails mid-run
                 with Image.open(path) as image:
-                    image.verify()
+                    image.load()
                 good.append(path)
             except (UnidentifiedImageError, OSError) as err:
                 if not self.skip_unreadable:

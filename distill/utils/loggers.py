@@ -1,34 +1,68 @@
-"""Logger helpers: wandb goes offline by itself when no API key is configured."""
+"""Logger helpers: wandb goes offline by itself when no API key is configured or its server does not answer."""
 
 from __future__ import annotations
 
 import csv
+import functools
+import logging
 import netrc
 import os
+import socket
+import threading
+from urllib.parse import urlsplit
 
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from omegaconf import OmegaConf
 
+log = logging.getLogger(__name__)
+
 
 def wandb_offline() -> bool:
-    """Offline unless WANDB_MODE=online, or an API key is in WANDB_API_KEY or ~/.netrc."""
+    """Offline unless WANDB_MODE=online, or an API key is in WANDB_API_KEY or ~/.netrc, and wandb's server
+    answers; a key without a reachable server logs offline with a warning (wandb itself would retry for minutes)."""
     mode = os.environ.get("WANDB_MODE", "").lower()
     if mode in ("offline", "disabled", "dryrun"):
         return True
-    if mode == "online":
-        return False
-    if os.environ.get("WANDB_API_KEY"):
-        return False
-    try:
-        rc = netrc.netrc()
-        if rc.authenticators("api.wandb.ai"):
+    if mode == "online" or os.environ.get("WANDB_API_KEY") or _netrc_key():
+        url = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+        address = (url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443))
+        if reachable(*address):
             return False
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        pass
-    os.environ.setdefault("WANDB_MODE", "offline")
+        log.warning("wandb: an API key is set but %s:%d does not answer within %g s; logging offline to the run "
+                    "directory (upload later with `wandb sync <run dir>/wandb/offline-run-*`)", *address, PROBE_TIMEOUT_S)
+    os.environ["WANDB_MODE"] = "offline"
     return True
+
+
+def _netrc_key() -> bool:
+    try:
+        return bool(netrc.netrc().authenticators("api.wandb.ai"))
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+PROBE_TIMEOUT_S = 3.0
+
+
+@functools.cache
+def reachable(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout`` seconds, name lookup included (in a
+    thread: a lookup without a network can block longer than any socket timeout). Asked once per process."""
+    answered = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            answered.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered)
 
 
 def _asset(name: str) -> str:
