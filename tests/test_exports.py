@@ -143,6 +143,7 @@ def test_default_call_runs_the_intended_steps_with_one_evaluation_each(exported)
     assert counter.calls == steps  # one UNet forward a step, at the intended count
     assert counter.examples == steps * nfe
     assert info["sampling"]["nfe_per_step"] == nfe and type(pipe).__name__ == info["pipeline"]
+    assert getattr(pipe, "safety_checker", None) is None and not info.get("safety_checker")  # the teacher has none
     card = (out / "README.md").read_text()
     assert f"num_inference_steps={steps}" in card and info["pipeline"] in card
 
@@ -154,6 +155,40 @@ def test_documented_call_gives_the_method_samplers_images(exported):
     prompts = [3, 7] if info.get("conditioning") == "class" else CAPTIONS
     got = _load(out)(prompts, generator=torch.Generator().manual_seed(0), output_type="pt").images * 2 - 1
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _with_safety_checker(folder, out):
+    """``folder``'s pipeline plus a random-weight StableDiffusionSafetyChecker and its CLIP image processor (the two
+    components SD-1.5 ships beside the model), saved to ``out``."""
+    from diffusers.pipelines.stable_diffusion.safety_checker import StableDiffusionSafetyChecker
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    torch.manual_seed(0)
+    tower = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    checker = StableDiffusionSafetyChecker(CLIPConfig(
+        text_config={**tower, "vocab_size": 64, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1},
+        vision_config={**tower, "image_size": 32, "patch_size": 8}, projection_dim=8))
+    extractor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    StableDiffusionPipeline.from_pretrained(folder, safety_checker=checker, feature_extractor=extractor).save_pretrained(out)
+    return out
+
+
+def test_export_keeps_the_teachers_safety_checker(tiny_sd, tmp_path):
+    """A teacher with a safety checker gives an export that runs the same checker on its images, and says so."""
+    folder = _with_safety_checker(tiny_sd, tmp_path / "teacher")
+    teacher = StableDiffusionPipeline.from_pretrained(folder)
+    out = progressive_fixed(folder).export(tmp_path / "export")
+    pipe = _load(out)
+    assert type(pipe.safety_checker) is type(teacher.safety_checker)
+    theirs = teacher.safety_checker.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in pipe.safety_checker.state_dict().items())
+    assert pipe.feature_extractor.to_dict() == teacher.feature_extractor.to_dict()
+    result = pipe(CAPTIONS[0], generator=torch.Generator().manual_seed(0), output_type="pt")
+    assert result.nsfw_content_detected == [False]  # the checker ran on the image (None without one)
+    info = json.loads((out / "distill.json").read_text())
+    assert info["safety_checker"] == "StableDiffusionSafetyChecker"
+    assert "safety checker (`StableDiffusionSafetyChecker`" in (out / "README.md").read_text()
+    assert DiffusionPipeline.from_pretrained(out, safety_checker=None).safety_checker is None  # the card's opt-out
 
 
 def test_class_conditional_export_draws_labels_and_takes_indices(tiny_sd, tmp_path):

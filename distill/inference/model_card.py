@@ -71,6 +71,15 @@ def _stock_note(info: dict) -> str:
             f"guidance_scale={guidance}`{why}; its own defaults (50 steps, guidance 7.5) are not this model's.\n")
 
 
+def _safety_note(info: dict) -> str:
+    """What the folder keeps of the teacher's safety checker, which the pipeline runs on every image it returns."""
+    if not info.get("safety_checker"):
+        return ""
+    return (f"\nThe teacher's safety checker (`{info['safety_checker']}`, with its `feature_extractor`) is kept: images "
+            "it flags come out black and `nsfw_content_detected` says which; `from_pretrained(..., safety_checker=None)` "
+            "loads the folder without it.\n")
+
+
 def model_card(info: dict) -> str:
     """A Hugging Face model card: the intended call, loading, how guidance was distilled, measured rows."""
     from distill.metrics.report import format_table
@@ -110,7 +119,7 @@ image = pipe({_example(info)}).images[0]
 ```
 
 `distill.sample` and `distill.evaluate` read the same defaults from `distill.json`.
-{_stock_note(info)}
+{_stock_note(info)}{_safety_note(info)}
 
 ## Quality and cost (measured during training)
 

@@ -44,7 +44,9 @@ class DistillTextToImagePipeline(StableDiffusionPipeline):
     was not distilled.
     """
 
-    def __init__(self, vae, text_encoder, tokenizer, unet, scheduler, safety_checker=None, feature_extractor=None,
+    # safety_checker and feature_extractor without defaults, as in StableDiffusionPipeline: DiffusionPipeline's
+    # from_pretrained(folder, safety_checker=None) replaces only the components it finds as required parameters
+    def __init__(self, vae, text_encoder, tokenizer, unet, scheduler, safety_checker, feature_extractor,
                  image_encoder=None, requires_safety_checker: bool = False, default_num_inference_steps: int = 50,
                  default_guidance_scale: float = 7.5, guidance_distilled: bool = False):
         super().__init__(vae, text_encoder, tokenizer, unet, scheduler, safety_checker, feature_extractor,

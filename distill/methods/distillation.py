@@ -48,7 +48,7 @@ class TeacherStudentDistillation(DistillMethod):
         if guidance_scale_min > guidance_scale_max:
             raise ValueError(f"method.guidance_scale_min={guidance_scale_min} > method.guidance_scale_max={guidance_scale_max}")
         super().__init__(optimizer, lr_scheduler, **speed)
-        self.teacher_source = teacher.source
+        self.teacher_source, self.teacher_load_options = teacher.source, teacher.load_options
         self.teacher_unet = teacher.unet.requires_grad_(False).eval()
         self.vae = teacher.vae.requires_grad_(False).eval()
         self.conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer, cache=cache_prompts)
@@ -203,9 +203,13 @@ class TeacherStudentDistillation(DistillMethod):
         return {}
 
     def save_pipeline(self, pipe, out_dir: Path) -> str:
-        """Save ``pipe`` to ``out_dir``; returns the student's description. A LoRA student is saved also alone
-        (lora/pytorch_lora_weights.safetensors, for ``pipe.load_lora_weights`` on the teacher); the full pipeline
-        holds a copy with the adapters merged into the weights and removed."""
+        """Save ``pipe`` to ``out_dir`` with the teacher's safety checker and feature extractor, where it has them;
+        returns the student's description. A LoRA student is saved also alone (lora/pytorch_lora_weights.safetensors,
+        for ``pipe.load_lora_weights`` on the teacher); the full pipeline holds a copy with the adapters merged into
+        the weights and removed."""
+        from distill.models.teacher import load_safety_components
+
+        pipe.register_modules(**load_safety_components(self.teacher_source, **self.teacher_load_options))
         student = type(self.student).__name__
         if self.is_lora:
             from peft.utils import get_peft_model_state_dict
@@ -245,5 +249,6 @@ class TeacherStudentDistillation(DistillMethod):
                                       defaults["default_num_inference_steps"],
                                       defaults["default_guidance_scale"], cfg_pass=self.cfg_pass(defaults)),
                 "guidance": self.guidance_note(), "guidance_distilled": defaults["guidance_distilled"],
+                "safety_checker": type(pipe.safety_checker).__name__ if pipe.safety_checker is not None else None,
                 **self.export_info()}
         return write_export_info(out_dir, info)

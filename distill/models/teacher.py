@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 from distill.diffusion.parametrization import PREDICTION_TYPES
 
 REQUIRED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+SAFETY_COMPONENTS = ("safety_checker", "feature_extractor")  # what a stock SD pipeline runs on its images
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Teacher:
     tokenizer: object
     scheduler: object
     source: str
+    load_options: dict = field(default_factory=dict)  # from_pretrained's revision, variant, torch_dtype for source
 
     @property
     def prediction_type(self) -> str:
@@ -125,4 +127,20 @@ def load_teacher(pretrained_model_name_or_path: str, revision: str | None = None
         raise ValueError(f"teacher prediction_type={pipe.scheduler.config.prediction_type!r} is not supported")
     for module in (pipe.unet, pipe.vae, pipe.text_encoder):
         module.requires_grad_(False).eval()
-    return Teacher(pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler, str(pretrained_model_name_or_path))
+    return Teacher(pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler, str(pretrained_model_name_or_path),
+                   {"revision": revision, "variant": variant, "torch_dtype": dtype})
+
+
+def load_safety_components(source: str, **load_options) -> dict:
+    """Those of the teacher pipeline's safety checker and its image processor that it has, by component name (for
+    an export to keep them: the teacher's own pipeline runs them on every image it returns). Training never runs
+    them, so ``load_teacher`` leaves them out and they load only here."""
+    from diffusers import StableDiffusionPipeline
+
+    index = pipeline_configs(source, load_options.get("revision"))["pipeline"]
+    present = [name for name in SAFETY_COMPONENTS if (index.get(name) or [None])[0] is not None]
+    if not present:
+        return {}
+    others = {name: None for name, spec in index.items() if isinstance(spec, list) and name not in present}
+    pipe = StableDiffusionPipeline.from_pretrained(source, **others, **load_options)
+    return {name: getattr(pipe, name) for name in present}
