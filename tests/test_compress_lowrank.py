@@ -1,6 +1,7 @@
 """Low-rank factorisation: exact at full rank, Eckart-Young errors at rank r, rank rules, the diffusers export."""
 
 import math
+from fnmatch import fnmatch
 
 import pytest
 import torch
@@ -199,6 +200,34 @@ def test_save_pretrained_round_trip_is_exact(teacher_unet, unet_inputs, tmp_path
     assert all(torch.equal(state[k], state_back[k]) for k in state)
     with torch.no_grad():
         assert torch.equal(back(*unet_inputs).sample, low(*unet_inputs).sample)
+
+
+def test_a_pruned_unet_factorised_saves_and_loads_as_the_same_network(teacher_unet, unet_inputs, tmp_path):
+    """Pruning then low rank compose: the factorised export keeps the pruned layers' shapes (it dropped them, so
+    the factors did not fit the unpruned layout that from_config rebuilt), and saves and loads as itself."""
+    from distill.compress.prune import prune_unet, unet_example_inputs
+    from distill.models.students import pretrained_student
+
+    pruned, _ = prune_unet(teacher_unet, 0.5, target="params", example_inputs=unet_example_inputs(teacher_unet))
+    with torch.no_grad():
+        reference = pruned(*unet_inputs).sample
+    ranks = {name: min(weight_matrix(m.weight).shape) for name, m in pruned.named_modules()
+             if isinstance(m, (nn.Linear, nn.Conv2d)) and not any(fnmatch(name, k) for k in UNET_KEEP_DENSE)}
+    exact = LowRankUNet2DConditionModel.from_unet(pruned, ranks)  # full rank: the pruned network itself
+    with torch.no_grad():
+        assert _rel(exact(*unet_inputs).sample, reference) < 1e-5
+    low, report = lowrank_unet(pruned, energy=0.9)
+    assert low.config.layer_shapes == pruned.config.layer_shapes and len(low.config.layer_shapes) > 100
+    shape = pruned.config.layer_shapes["down_blocks.0.resnets.0.conv1"]
+    factor = low.get_submodule("down_blocks.0.resnets.0.conv1")
+    assert isinstance(factor, LowRankConv2d) and (factor.in_channels, factor.out_channels) == (
+        shape["in_channels"], shape["out_channels"]) != (32, 32)
+    low.save_pretrained(tmp_path)
+    with torch.no_grad():
+        out = low(*unet_inputs).sample
+        for back in (LowRankUNet2DConditionModel.from_pretrained(tmp_path), pretrained_student(teacher_unet, str(tmp_path))):
+            assert back.config.lowrank_ranks == report.ranks and back.config.layer_shapes == low.config.layer_shapes
+            assert torch.equal(back.eval()(*unet_inputs).sample, out)
 
 
 def assert_unet_export_samples(pipe: StableDiffusionPipeline, unet: UNet2DConditionModel, folder) -> None:

@@ -15,7 +15,8 @@ layer, r * (in*k*k + out) < out * in*k*k for a convolution.
 ``LowRankUNet2DConditionModel`` is a diffusers ``UNet2DConditionModel`` whose config records the ranks
 (``lowrank_ranks``), so that ``from_pretrained`` rebuilds the factorised structure before loading the
 weights; a pipeline saved with it as ``unet`` loads with ``DiffusionPipeline.from_pretrained`` once this
-module is imported (``model_index.json`` names it as the UNet's library).
+module is imported (``model_index.json`` names it as the UNet's library). It is a pruned UNet's export too
+(``distill.compress.prune``): a pruned UNet factorised keeps its ``layer_shapes``, which are rebuilt first.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from fnmatch import fnmatch
 import torch
 from diffusers import ModelMixin, UNet2DConditionModel  # noqa: F401
 from torch import nn
+
+from distill.compress.prune import PrunedUNet2DConditionModel
 
 # DiffusionPipeline.from_pretrained looks the loadable base classes (ModelMixin) up in the namespace of the
 # library that model_index.json names for a component -- this module -- hence the import above.
@@ -443,14 +446,15 @@ def factorise(model: nn.Module, ranks: Mapping[str, int], *, init: bool = True) 
 # ---------------------------------------------------------------- the diffusers export
 
 
-class LowRankUNet2DConditionModel(UNet2DConditionModel):
-    """A ``UNet2DConditionModel`` with the layers named in ``lowrank_ranks`` ({module name: rank}) factorised.
+class LowRankUNet2DConditionModel(PrunedUNet2DConditionModel):
+    """A ``UNet2DConditionModel`` with the layers named in ``lowrank_ranks`` ({module name: rank}) factorised,
+    after those named in ``layer_shapes`` (a pruned UNet's, empty for a dense one) are resized.
 
     The ranks are part of the config, so ``from_pretrained`` builds the factorised structure and then loads
-    the factors; ``from_unet`` factorises a trained dense UNet."""
+    the factors; ``from_unet`` factorises a trained dense or pruned UNet."""
 
     def __init__(self, *args, lowrank_ranks: Mapping[str, int] | None = None, **kwargs):
-        super().__init__(*args, **kwargs)  # registers the dense UNet's config
+        super().__init__(*args, **kwargs)  # registers the UNet's config and resizes its pruned layers
         self.register_to_config(lowrank_ranks=dict(lowrank_ranks or {}))
         factorise(self, self.config.lowrank_ranks, init=False)
 
@@ -467,9 +471,10 @@ class LowRankUNet2DConditionModel(UNet2DConditionModel):
         return model.train(unet.training)
 
 
-# ConfigMixin.from_config passes the config keys that __init__'s signature names: the dense UNet's, and ranks.
-LowRankUNet2DConditionModel.__init__.__signature__ = inspect.signature(UNet2DConditionModel.__init__).replace(
-    parameters=[*inspect.signature(UNet2DConditionModel.__init__).parameters.values(),
+# ConfigMixin.from_config passes the config keys that __init__'s signature names: the pruned UNet's (the dense
+# UNet's and layer_shapes), and ranks.
+LowRankUNet2DConditionModel.__init__.__signature__ = inspect.signature(PrunedUNet2DConditionModel.__init__).replace(
+    parameters=[*inspect.signature(PrunedUNet2DConditionModel.__init__).parameters.values(),
                 inspect.Parameter("lowrank_ranks", inspect.Parameter.KEYWORD_ONLY, default=None)])
 
 

@@ -16,13 +16,16 @@ together. Channel importance is either
   timestep, one forward and backward pass per calibration batch and step until the threshold stops it (a
   trained UNet's loss falls slowly: most of the schedule); pass ``timesteps`` to thin them.
 
-Pruning is iterative (torch-pruning's ``iterative_steps``): step k removes the fraction 0.9 k / steps of
-every group's channels (``per_block=True``, the default: the same fraction in every group, a uniform width
-multiplier) or of all channels ranked together (``False``: torch-pruning's global pruning, each group's
-scores divided by their mean), and the FLOPs (or parameters) are measured after each step. Steps are coarse
-where GroupNorm groups are small (with 8 groups of 4 channels, 8 channels -- a quarter of the layer -- is
-the smallest cut), so the step that reaches ``ratio`` is redone group by group and the result stops at the
-group nearest ``ratio``.
+``per_block=True`` (the default) is a uniform width multiplier: every group loses the same fraction f of its
+channels, rounded to the nearest whole unit (a unit is one position in each GroupNorm group -- 8 channels of a
+32-wide layer with 8 groups -- or a GEGLU channel pair), and every attention layer the same fraction of its
+heads; channels are ranked once, on the unpruned UNet, and f is bisected for the FLOPs (or parameters) nearest
+``ratio``. Where units are coarse the nearest f can miss ``ratio`` by a few percent (a UNet of 32- and 64-wide
+stages with 8 GroupNorm groups, asked for 50% of its FLOPs, lost 52.1%: every 32-wide layer kept 24 channels,
+every 64-wide GroupNorm-coupled one 40), but no stage is cut deeper than the rounding. ``per_block=False`` ranks all channels together (torch-pruning's
+global pruning, each group's scores divided by their mean), iteratively (``iterative_steps``: step k removes
+the fraction 0.9 k / steps of all channels, scores recomputed after each); the step that reaches ``ratio`` is
+redone group by group, in torch-pruning's order, and the result stops at the group nearest ``ratio``.
 
 What keeps its shape: ``conv_out`` (its output is the prediction) and the time embedding's guidance-scale
 projection ``cond_proj`` (added to the sinusoidal features) are excluded explicitly; ``conv_in``'s input,
@@ -34,7 +37,7 @@ is not offered: combined with that grouping, torch-pruning 1.6.1 left every Grou
 removed (q, k, v and the output projection together), never head dimensions: diffusers' attention
 processors take the head width from the tensors and scale scores by 1/sqrt(head_dim), so narrower heads
 would also change every remaining head's softmax temperature. Every attention layer keeps
-round((1 - f) * heads) of its heads at step fraction f, at least one, the least important (group score
+round((1 - f) * heads) of its heads at fraction f, at least one, the least important (group score
 averaged over the head's channels) going first; torch-pruning's own head pruning is not used, as its
 per-layer rounding (ceil of the fraction of the heads left) removes the last head of a two-head layer.
 
@@ -270,9 +273,11 @@ def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timeste
 @dataclass
 class PruneReport:
     """What ``prune_unet`` did. FLOPs are those of one forward on the example inputs (torch's flop counter:
-    matmuls, attention and convolutions). ``trajectory[k]`` is the fraction of the target removed after k
-    whole iterative steps, up to the first that reached ``ratio``; ``last_step[j]`` the fraction after the
-    first j pruning groups of that step; the model returned is the entry of ``last_step`` nearest ``ratio``
+    matmuls, attention and convolutions). ``per_block``: ``channel_fraction`` is the fraction f removed from
+    every group's channels and every layer's heads (each rounded to its unit), ``search`` the (f, fraction of
+    the target removed) pairs evaluated. Global ranking: ``trajectory[k]`` is the fraction of the target removed
+    after k whole iterative steps, up to the first that reached ``ratio``; ``last_step[j]`` the fraction after
+    the first j pruning groups of that step; the model returned is the entry of ``last_step`` nearest ``ratio``
     (``groups_kept`` groups of the last step)."""
 
     target: str
@@ -287,6 +292,8 @@ class PruneReport:
     trajectory: list[float] = field(default_factory=list)
     last_step: list[float] = field(default_factory=list)
     groups_kept: int = 0
+    channel_fraction: float | None = None
+    search: list[tuple[float, float]] = field(default_factory=list)
     timesteps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     layer_shapes: dict[str, dict] = field(default_factory=dict)
@@ -355,6 +362,12 @@ def _refresh_split_offsets(graph: tp.DependencyGraph) -> None:
             node.module.offsets = [0, *itertools.accumulate(node.module.split_sizes)]
 
 
+def _kept(units: int, fraction: float) -> int:
+    """Units (heads, or channel positions of a group) left when ``fraction`` of ``units`` is removed: the nearest
+    whole number, at least one."""
+    return max(1, round(units * (1 - fraction)))
+
+
 def _prune_heads(graph: tp.DependencyGraph, model: nn.Module, scorer, heads_before: Mapping[str, int],
                  head_dims: Mapping[str, int], fraction: float) -> None:
     """Remove whole heads until each attention layer keeps round((1 - fraction) * its original heads), at
@@ -363,7 +376,7 @@ def _prune_heads(graph: tp.DependencyGraph, model: nn.Module, scorer, heads_befo
     for name, dim in head_dims.items():
         out = model.get_submodule(name).to_out[0]
         heads = out.in_features // dim
-        keep = max(1, round(heads_before[name] * (1 - fraction)))
+        keep = _kept(heads_before[name], fraction)
         if heads <= keep:
             continue
         group = graph.get_pruning_group(out, tp.prune_linear_in_channels, list(range(out.in_features)))
@@ -373,8 +386,9 @@ def _prune_heads(graph: tp.DependencyGraph, model: nn.Module, scorer, heads_befo
 
 
 class _Pruning:
-    """One pruning run: torch-pruning's iterative pruner on a working copy of the UNet, its history of
-    pruned groups, and replays of a prefix of that history on a fresh copy."""
+    """One pruning run: a working copy of the UNet (it holds the Taylor gradients) and fresh copies to prune;
+    for global ranking also torch-pruning's iterative pruner on the working copy, its history of pruned groups,
+    and replays of a prefix of that history on a fresh copy."""
 
     def __init__(self, unet: UNet2DConditionModel, inputs: Mapping, scorer, target: str, per_block: bool,
                  prune_heads: bool, iterative_steps: int):
@@ -391,8 +405,9 @@ class _Pruning:
         m = self.model
         ignored = [x for x in (m.conv_out, m.time_embedding.cond_proj, getattr(m, "encoder_hid_proj", None)) if x]
         ignored += [p for a in attention for p in (a.to_q, a.to_k, a.to_v)]
-        self.pruner = tp.pruner.BasePruner(
-            m, inputs, scorer, global_pruning=not per_block, pruning_ratio=MAX_CHANNEL_RATIO,
+        self.ignored = ignored
+        self.pruner = None if per_block else tp.pruner.BasePruner(
+            m, inputs, scorer, global_pruning=True, pruning_ratio=MAX_CHANNEL_RATIO,
             max_pruning_ratio=MAX_CHANNEL_RATIO, iterative_steps=iterative_steps, ignored_layers=ignored,
             output_transform=_output)
 
@@ -422,10 +437,13 @@ class _Pruning:
     def history(self) -> list:
         return self.pruner.pruning_history()
 
+    def graph(self, model: nn.Module) -> tp.DependencyGraph:
+        return tp.DependencyGraph().build_dependency(model, self.inputs, output_transform=_output)
+
     def replay(self, n: int) -> tuple[UNet2DConditionModel, tp.DependencyGraph]:
         """A fresh copy with the first ``n`` pruned groups of the history pruned again."""
         model = self.fresh_copy()
-        graph = tp.DependencyGraph().build_dependency(model, self.inputs, output_transform=_output)
+        graph = self.graph(model)
         for entry in self.history[:n]:
             self.apply(graph, model, entry)
         return model, graph
@@ -463,6 +481,103 @@ def _prune_to_ratio(run: _Pruning, ratio: float) -> tuple[UNet2DConditionModel, 
     return model, trajectory, last_step, kept
 
 
+@dataclass(frozen=True)
+class _RankedGroup:
+    """One coupled group, ranked once on the unpruned UNet: pruning unit u of its root layer's outputs removes
+    the channels u + k * units for k < copies (the same position in each GroupNorm group, or both halves of
+    a GEGLU projection); ``order`` lists the units least important first."""
+
+    root: str
+    units: int
+    copies: int
+    order: tuple[int, ...]
+
+
+def _rank_groups(run: _Pruning) -> tuple[list[_RankedGroup], dict[str, list[int]]]:
+    """Every channel group of the working copy with its units ranked (importance averaged over a unit's
+    channels, as torch-pruning averages over GroupNorm groups), and each attention layer's heads ranked."""
+    model = run.model
+    graph = run.graph(model)
+    names = {m: n for n, m in model.named_modules()}
+    ranked = []
+    for group in graph.get_all_groups(ignored_layers=run.ignored, root_module_types=(nn.Conv2d, nn.Linear)):
+        root = group[0].dep.target.module
+        scores = run.scorer(group)
+        if scores is None:
+            continue
+        norm_groups = max([1] + [graph.get_pruner_of_module(dep.target.module).get_out_channel_groups(dep.target.module)
+                                 if graph.is_out_channel_pruning_fn(dep.handler) else
+                                 graph.get_pruner_of_module(dep.target.module).get_in_channel_groups(dep.target.module)
+                                 for dep, _ in group if graph.get_pruner_of_module(dep.target.module) is not None])
+        # a split (GEGLU's chunk) ties channel 0 to its partners: pruning one removes them all
+        tied = len(graph.get_pruning_group(root, group[0].dep.handler, [0])[0].idxs)
+        if norm_groups > 1 and tied > 1:
+            raise ValueError(f"{names[root]}: a GroupNorm-coupled split; per_block pruning does not support it, "
+                             "use student.per_block=false")
+        copies = max(norm_groups, tied)
+        units = len(scores) // copies
+        order = scores.view(copies, units).mean(0).argsort().tolist()
+        ranked.append(_RankedGroup(names[root], units, copies, tuple(order)))
+    heads = {}
+    if run.prune_heads:
+        for name, dim in run.head_dims.items():
+            out = model.get_submodule(name).to_out[0]
+            group = graph.get_pruning_group(out, tp.prune_linear_in_channels, list(range(out.in_features)))
+            heads[name] = run.scorer(group).view(-1, dim).mean(1).argsort().tolist()
+    return ranked, heads
+
+
+def _uniform_cut(run: _Pruning, ranked: Sequence[_RankedGroup], heads: Mapping[str, list[int]],
+                 fraction: float) -> UNet2DConditionModel:
+    """A fresh copy with ``fraction`` of every group's units and of every attention layer's heads removed
+    (``_kept`` of each left), the least important ones."""
+    model = run.fresh_copy()
+    graph = run.graph(model)
+    for g in ranked:
+        drop = g.order[: g.units - _kept(g.units, fraction)]
+        if drop:
+            root = model.get_submodule(g.root)
+            idxs = [u + k * g.units for k in range(g.copies) for u in drop]
+            graph.get_pruning_group(root, graph.get_pruner_of_module(root).prune_out_channels, idxs).prune()
+    for name, order in heads.items():
+        out, dim = model.get_submodule(name).to_out[0], run.head_dims[name]
+        drop = order[: run.heads_before[name] - _kept(run.heads_before[name], fraction)]
+        if drop:
+            idxs = [h * dim + i for h in drop for i in range(dim)]
+            graph.get_pruning_group(out, tp.prune_linear_in_channels, idxs).prune()
+    _sync(model, run.head_dims)
+    return model
+
+
+def _prune_uniform(run: _Pruning, ratio: float) -> tuple[UNet2DConditionModel, float, list[tuple[float, float]]]:
+    """The same fraction f of every group's units (and heads) removed, rounded per group (``_kept``): the
+    result removed ``ratio`` most nearly among all f up to ``MAX_CHANNEL_RATIO``. The removed share only grows
+    with f and changes only where some group's rounded count does, so one f per interval between those points
+    is bisected. Returns the model, its f and the (f, removed share) evaluated."""
+    ranked, heads = _rank_groups(run)
+    sizes = {g.units for g in ranked} | set(run.heads_before.values() if heads else ())
+    edges = sorted({0.0, MAX_CHANNEL_RATIO} | {1 - (k + 0.5) / n for n in sizes for k in range(n)
+                                               if 0 < 1 - (k + 0.5) / n < MAX_CHANNEL_RATIO})
+    fractions = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+    cuts = {0: (run.fresh_copy(), 0.0)}  # below the first breakpoint every count rounds to all its units
+
+    def cut(i: int) -> float:
+        if i not in cuts:
+            model = _uniform_cut(run, ranked, heads, fractions[i])
+            cuts[i] = model, run.removed(model)
+        return cuts[i][1]
+
+    lo, hi = 0, len(fractions) - 1  # the first fraction reaching the ratio is in (lo, hi] if any is
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if cut(mid) >= ratio else (mid, hi)
+    if cut(hi) < ratio:
+        raise ValueError(f"student.ratio={ratio} of {run.target} is out of reach: removing {MAX_CHANNEL_RATIO:.0%} "
+                         f"of every group's channels removed {cut(hi):.1%}; ask for less")
+    best = min((lo, hi), key=lambda i: abs(cut(i) - ratio))
+    return cuts[best][0], fractions[best], sorted((fractions[i], removed) for i, (_, removed) in cuts.items())
+
+
 def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops", importance: str = "magnitude",
                calib: Sequence | Callable[[], Iterable] | None = None, noise_scheduler=None,
                timesteps: Iterable[int] | None = None, threshold: float = 0.05, per_block: bool = True,
@@ -474,11 +589,12 @@ def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops
     ``importance="taylor"`` needs ``calib`` ((latents, encoder_hidden_states) batches, or a callable returning
     them) and the ``noise_scheduler`` the UNet was trained with; ``timesteps`` (default: every training timestep) and
     ``threshold`` select Diff-Pruning's steps. ``per_block=True`` removes the same fraction of channels from
-    every coupled group (a uniform width multiplier); ``False`` ranks channels over the whole network
-    (torch-pruning's global pruning, scores normalised by their group's mean). Heads: every attention layer
-    loses the same fraction of its heads; ``prune_heads=False`` keeps the attention widths. Step k of
-    ``iterative_steps`` removes the fraction 0.9 k / ``iterative_steps``; the FLOPs (params) are measured after
-    each, and the last step is redone group by group to stop at the group nearest ``ratio``.
+    every coupled group and of heads from every attention layer, each rounded to its unit (a uniform width
+    multiplier), the fraction whose result is nearest ``ratio``; ``False`` ranks channels over the whole network
+    (torch-pruning's global pruning, scores normalised by their group's mean): step k of ``iterative_steps``
+    removes the fraction 0.9 k / ``iterative_steps`` (heads: the same fraction in every attention layer), the
+    FLOPs (params) are measured after each, and the last step is redone group by group to stop at the group
+    nearest ``ratio``. ``prune_heads=False`` keeps the attention widths.
     ``example_inputs`` (UNet keyword inputs) set the traced shapes and the counted FLOPs; by default batch 1
     at the config's sample size with a 77-token text input."""
     ratio = _check_ratio("student.ratio", ratio)
@@ -505,7 +621,12 @@ def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops
     if importance == "taylor":
         used, losses = accumulate_taylor_gradients(run.model, calib, noise_scheduler, timesteps, threshold, seed)
 
-    model, trajectory, last_step, kept = _prune_to_ratio(run, ratio)
+    if per_block:
+        model, fraction, search = _prune_uniform(run, ratio)
+        trajectory, last_step, kept = [], [], 0
+    else:
+        model, trajectory, last_step, kept = _prune_to_ratio(run, ratio)
+        fraction, search = None, []
     changed = {n: s for n, s in layer_shapes(model).items() if s != before_shapes.get(n)}
     export = _export(unet, model, changed, inputs)
     params_after, flops_after = _measure(export, inputs, "params"), _measure(export, inputs, "flops")
@@ -513,7 +634,8 @@ def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops
     report = PruneReport(target=target, ratio=ratio, achieved=1 - after / start, params_before=params_before,
                          params_after=params_after, flops_before=flops_before, flops_after=flops_after,
                          importance=importance, per_block=per_block, trajectory=trajectory, last_step=last_step,
-                         groups_kept=kept, timesteps=used, losses=losses, layer_shapes=changed)
+                         groups_kept=kept, channel_fraction=fraction, search=search, timesteps=used, losses=losses,
+                         layer_shapes=changed)
     return export, report
 
 
