@@ -45,7 +45,7 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
 
     from distill.config.schema import EVALUATE_STEPS
     from distill.config.validate import missing_keys
-    from distill.inference.loading import load_pipeline, pipeline_defaults
+    from distill.inference.loading import call_defaults, load_pipeline, pipeline_defaults
     from distill.inference.schedulers import SCHEDULERS
     from distill.metrics.fid import describe
     from distill.metrics.quality_cost import PipelineSampler, build_evaluator
@@ -89,7 +89,9 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
             _check_compile_supported(pipe.device)
         pipe.unet, applied = fuse_unet(pipe.unet, qkv=cfg.fuse_qkv, channels_last=cfg.channels_last, compile=cfg.compile)
         log.info("UNet speed-ups: %s", ", ".join(applied))
-    guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
+    # the command line's, else the export's intended call, else the pipeline class's own (StableDiffusionPipeline: 7.5)
+    guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale",
+                                                                                      call_defaults(pipe)[1])
     if cfg.null_prompts and guidance > 1:
         raise ValueError(f"null_prompts=true samples the empty prompt, where CFG at guidance_scale={guidance} would run "
                          "the same pass twice; set guidance_scale=1")

@@ -29,14 +29,15 @@ def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
     out = tmp_path / "eval"
     proc = subprocess.run(
         [sys.executable, "-m", "distill.evaluate", f"pipeline={tiny_sd}", "schedulers=[ddim,euler]", "steps=[1,2]",
-         "num_per_class=2", "cost_repeats=1", "model_name=tiny", f"hydra.run.dir={out}"],
+         "num_per_class=2", "cost_repeats=1", "model_name=tiny", "guidance_scale=1", f"hydra.run.dir={out}"],
         capture_output=True, text=True, env={**__import__("os").environ, "HOME": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "quality_cost.csv")))
     assert [(r["scheduler"], r["steps"]) for r in rows] == [("ddim", "1"), ("ddim", "2"), ("euler", "1"), ("euler", "2")]
     for r in rows:
-        # Guidance 1.0 (no distill.json): one evaluation per step and image, counted by the hook.
+        # Guidance 1.0 (set; the folder's own default is StableDiffusionPipeline's 7.5): one evaluation per step and
+        # image, counted by the hook.
         assert float(r["nfe"]) == float(r["steps"])
         assert float(r["fid"]) > 0 and 0 <= float(r["prompt_accuracy"]) <= 1 and float(r["gflops_per_image"]) > 0
         p = float(r["prompt_accuracy"])  # the standard error of a proportion over the 20 samples

@@ -119,3 +119,35 @@ def test_a_teacher_folder_without_its_tokenizer_folder_is_refused_naming_it(comp
     cfg = compose("+exp=consistency", f"teacher.pretrained_model_name_or_path={teacher}")
     with pytest.raises(ConfigError, match=r"names \['tokenizer'\] but the folder has no tokenizer/"):
         validate(cfg)  # was: OverflowError: int too big to convert, from the tokenizer's loader
+
+
+def test_evaluate_samples_a_plain_pipeline_with_its_own_default_guidance(tmp_path, monkeypatch):
+    """A Stable Diffusion folder without distill.json: guidance 7.5, the default of StableDiffusionPipeline.__call__
+    (was 1.0, no guidance at all); the command line's value wins."""
+    import inspect
+
+    from diffusers import StableDiffusionPipeline
+    from hydra import compose, initialize_config_dir
+
+    from distill.config.schema import register_configs
+    from distill.evaluate import sweep
+    from distill.utils.loggers import register_resolvers
+    from tests.conftest import CONF
+    from tests.sd_tiny import write_tiny_sd
+
+    register_configs()
+    register_resolvers()
+    monkeypatch.setenv("HOME", str(tmp_path))  # the FID reference cache
+    pipe = write_tiny_sd(tmp_path / "pipe")
+    expected = inspect.signature(StableDiffusionPipeline.__call__).parameters["guidance_scale"].default
+    assert expected == 7.5
+    for extra, guidance in (([], expected), (["guidance_scale=2"], 2.0)):
+        out = tmp_path / f"eval{len(extra)}"
+        out.mkdir()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="evaluate", overrides=[
+                f"pipeline={pipe}", "schedulers=[ddim]", "steps=[2]", "num_per_class=1", "cost_repeats=1",
+                "grids=false", "eval.num_prompts=2", *extra])
+        (row,) = sweep(cfg, out)
+        assert json.loads((out / "protocol.json").read_text())["guidance_scale"] == guidance
+        assert float(row["nfe"]) == 4  # 2 steps, each a conditional and an unconditional pass (CFG)

@@ -260,7 +260,7 @@ class EvaluateConfig:
     steps: list[int] | None = None  # step counts, a row each; null: EVALUATE_STEPS plus the export's intended count (distill.json)
     num_per_class: int = 50  # samples of each prompt of the evaluation set
     seed: int = 0
-    guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0
+    guidance_scale: float | None = None  # default: the pipeline's distill.json, else its pipeline class's __call__ default
     grids: bool = True
     grid_seeds: int = 4
     cost_repeats: int = 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 
@@ -23,3 +24,15 @@ def pipeline_defaults(name_or_path: str) -> dict:
     from distill.inference.model_card import read_export_info
 
     return read_export_info(name_or_path).get("sampling", {})
+
+
+def call_defaults(pipe) -> tuple[int, float]:
+    """The step count and guidance of ``pipe(prompt)``: a distill pipeline's registered defaults, else the
+    defaults of the pipeline class's ``__call__``."""
+    config = pipe.config
+    if "default_num_inference_steps" in config:
+        return int(config.default_num_inference_steps), float(config.default_guidance_scale)
+    params = inspect.signature(type(pipe).__call__).parameters
+    steps, guidance = params.get("num_inference_steps"), params.get("guidance_scale")
+    return (int(steps.default) if steps is not None and steps.default else 50,
+            float(guidance.default) if guidance is not None and guidance.default is not None else 1.0)

@@ -10,7 +10,6 @@ Request defaults: the command line's ``scheduler``/``steps``/``guidance_scale``,
 
 from __future__ import annotations
 
-import inspect
 import logging
 import signal
 import socket
@@ -20,6 +19,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from distill.config.schema import register_configs
+from distill.inference.loading import call_defaults
 from distill.utils.loggers import register_resolvers
 
 log = logging.getLogger(__name__)
@@ -28,18 +28,6 @@ register_configs()
 register_resolvers()
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-def call_defaults(pipe) -> tuple[int, float]:
-    """The step count and guidance of ``pipe(prompt)``: a distill pipeline's registered defaults, else the
-    defaults of the pipeline class's ``__call__``."""
-    config = pipe.config
-    if "default_num_inference_steps" in config:
-        return int(config.default_num_inference_steps), float(config.default_guidance_scale)
-    params = inspect.signature(type(pipe).__call__).parameters
-    steps, guidance = params.get("num_inference_steps"), params.get("guidance_scale")
-    return (int(steps.default) if steps is not None and steps.default else 50,
-            float(guidance.default) if guidance is not None and guidance.default is not None else 1.0)
 
 
 def _check(cfg: DictConfig) -> None:
