@@ -690,3 +690,5 @@ def test_served_forecast_on_a_pndm_teacher_answers_and_a_second_order_scheduler_
         pipe.scheduler = plain_scheduler
     with pytest.raises(ValueError, match="HeunDiscreteScheduler is of order 2"):
         QualityCostCallback(None, schedulers=("ddim", "heun"), accelerators=("none", "deepcache+forecast"))
+    with pytest.raises(ValueError, match="HeunDiscreteScheduler is of order 2"):  # a default the service cannot run
+        Engine(pipe, scheduler="heun", steps=10, guidance_scale=3.0, mode="sequential", accelerator=Forecast(interval=2))

@@ -240,6 +240,8 @@ class Engine:
         self.factor = pipe.vae_scale_factor
         self.native = pipe.unet.config.sample_size * self.factor
         self.own_scheduler = (type(pipe.scheduler), pipe.scheduler.config)
+        if accelerator is not None:  # the default scheduler must work with it before anything is computed
+            accelerator.check_scheduler(self.scheduler_for(scheduler))
         pipe.set_progress_bar_config(disable=True)
         self.metrics = metrics
         self.queue = JobQueue(queue_size)
