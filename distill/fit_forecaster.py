@@ -75,7 +75,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> Path:
 
     from distill.accelerate.forecast import Forecast, fit_forecaster, save_forecasters
     from distill.config.validate import missing_keys
-    from distill.inference.loading import load_pipeline, pipeline_defaults
+    from distill.inference.loading import call_defaults, load_pipeline, pipeline_defaults
     from distill.inference.schedulers import SCHEDULERS, scheduler_options
     from distill.metrics.quality_cost import PipelineSampler
 
@@ -102,7 +102,8 @@ def fit(cfg: DictConfig, run_dir: Path) -> Path:
     pipe = load_pipeline(cfg.pipeline)
     pipe.set_progress_bar_config(disable=True)
     defaults = pipeline_defaults(cfg.pipeline)
-    guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
+    guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale",
+                                                                                      call_defaults(pipe)[1])
     # the scheduler as distill.evaluate builds it: an export's own scheduler class for its own name
     options = dict(cfg.scheduler.options) or scheduler_options(name)
     pipe.scheduler = PipelineSampler(pipe, {name: options}, own=defaults.get("name")).scheduler(name)

@@ -44,7 +44,7 @@ def default_prompts(cfg: DictConfig) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="sample")
 def main(cfg: DictConfig) -> None:
-    from distill.inference.loading import load_pipeline, pipeline_defaults
+    from distill.inference.loading import call_defaults, load_pipeline, pipeline_defaults
     from distill.inference.pipelines import DistillClassPipeline
     from distill.inference.schedulers import SCHEDULERS, make_scheduler, scheduler_options
     from distill.metrics.report import save_grid
@@ -62,7 +62,8 @@ def main(cfg: DictConfig) -> None:
     if cfg.sampler is not None:
         pipe.scheduler = make_scheduler(cfg.sampler, pipe.scheduler.config, **scheduler_options(cfg.sampler))
     defaults = pipeline_defaults(cfg.pipeline)
-    guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale", 1.0)
+    guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale",
+                                                                                      call_defaults(pipe)[1])
     steps = cfg.num_inference_steps or defaults.get("num_inference_steps")
     step_kwargs = {"num_inference_steps": steps} if steps else {}  # else the pipeline's own default
     size = pipe.unet.config.sample_size * pipe.vae_scale_factor

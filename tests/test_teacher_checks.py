@@ -151,3 +151,25 @@ def test_evaluate_samples_a_plain_pipeline_with_its_own_default_guidance(tmp_pat
         (row,) = sweep(cfg, out)
         assert json.loads((out / "protocol.json").read_text())["guidance_scale"] == guidance
         assert float(row["nfe"]) == 4  # 2 steps, each a conditional and an unconditional pass (CFG)
+
+
+def test_sample_takes_a_plain_pipelines_own_default_guidance(tmp_path, capsys):
+    """distill.sample on a folder without distill.json: StableDiffusionPipeline's 7.5 (was 1.0), as its docstring says."""
+    from hydra import compose, initialize_config_dir
+
+    import distill.sample as sample_cmd
+    from distill.config.schema import register_configs
+    from distill.utils.loggers import register_resolvers
+    from tests.conftest import CONF
+    from tests.sd_tiny import write_tiny_sd
+
+    register_configs()
+    register_resolvers()
+    pipe = write_tiny_sd(tmp_path / "pipe")
+    for extra, guidance in (([], 7.5), (["guidance_scale=1.5"], 1.5)):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="sample", overrides=[
+                f"pipeline={pipe}", f"out={tmp_path / 'grid.png'}", "prompts=[a handwritten digit three]",
+                "num_seeds=1", "upscale=1", "num_inference_steps=1", *extra])
+        sample_cmd.main(cfg)
+        assert f"1 images, 1 steps, guidance {guidance}:" in capsys.readouterr().out

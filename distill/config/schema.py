@@ -230,7 +230,7 @@ class SampleConfig:
     seed: int = 0
     sampler: str | None = None  # a scheduler name (conf/scheduler); default: the pipeline's own
     num_inference_steps: int | None = None  # default: the pipeline's distill.json, else the pipeline's own default
-    guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0
+    guidance_scale: float | None = None  # default: the pipeline's distill.json, else its pipeline class's __call__ default
     upscale: int = 4
 
 
@@ -285,7 +285,7 @@ class FitForecasterConfig:
     num_per_class: int = 4  # trajectories of each prompt
     seed: int = 1000  # the evaluation's seeds start at 0: fit on other noise
     batch_size: int = 16
-    guidance_scale: float | None = None  # default: the pipeline's distill.json, else 1.0
+    guidance_scale: float | None = None  # default: the pipeline's distill.json, else its pipeline class's __call__ default
     lags: int = 2  # real outputs each prediction combines
     ridge: float = 1e-4  # ridge penalty, relative to the mean diagonal of the normal equations
     out: str | None = None  # default: the pipeline folder (a folder inside the package or a hub id: the run dir)
