@@ -75,7 +75,7 @@ from distill.metrics.cost import count_flops
 
 TARGETS = ("flops", "params")
 IMPORTANCES = ("magnitude", "taylor")
-MAX_CHANNEL_RATIO = 0.9  # the iterative schedule ends here: no group loses more than 90% of its channels
+MAX_CHANNEL_RATIO = 0.9  # no group loses more than 90% of its channels (the uniform fraction and the global schedule end here)
 TEXT_LEN = 77  # tokens of the example text input (Stable Diffusion's CLIP length) when none is given
 
 # The constructor dimensions that pruning changes, per layer type; everything else is kept from the base UNet.
@@ -493,6 +493,18 @@ class _RankedGroup:
     order: tuple[int, ...]
 
 
+def _channel_groups(graph: tp.DependencyGraph, group) -> int:
+    """The most channel groups a member layer of ``group`` imposes (a GroupNorm's ``num_groups``), as
+    torch-pruning's pruners count them: the group's channels are pruned at the same positions in each."""
+    counts = [1]
+    for dep, _ in group:
+        module, pruner = dep.target.module, graph.get_pruner_of_module(dep.target.module)
+        if pruner is not None:
+            out = graph.is_out_channel_pruning_fn(dep.handler)
+            counts.append(pruner.get_out_channel_groups(module) if out else pruner.get_in_channel_groups(module))
+    return max(counts)
+
+
 def _rank_groups(run: _Pruning) -> tuple[list[_RankedGroup], dict[str, list[int]]]:
     """Every channel group of the working copy with its units ranked (importance averaged over a unit's
     channels, as torch-pruning averages over GroupNorm groups), and each attention layer's heads ranked."""
@@ -505,15 +517,12 @@ def _rank_groups(run: _Pruning) -> tuple[list[_RankedGroup], dict[str, list[int]
         scores = run.scorer(group)
         if scores is None:
             continue
-        norm_groups = max([1] + [graph.get_pruner_of_module(dep.target.module).get_out_channel_groups(dep.target.module)
-                                 if graph.is_out_channel_pruning_fn(dep.handler) else
-                                 graph.get_pruner_of_module(dep.target.module).get_in_channel_groups(dep.target.module)
-                                 for dep, _ in group if graph.get_pruner_of_module(dep.target.module) is not None])
+        norm_groups = _channel_groups(graph, group)
         # a split (GEGLU's chunk) ties channel 0 to its partners: pruning one removes them all
         tied = len(graph.get_pruning_group(root, group[0].dep.handler, [0])[0].idxs)
         if norm_groups > 1 and tied > 1:
-            raise ValueError(f"{names[root]}: a GroupNorm-coupled split; per_block pruning does not support it, "
-                             "use student.per_block=false")
+            raise ValueError(f"{names[root]} feeds both a GroupNorm and a split, which per_block pruning does not "
+                             "support; use student.per_block=false")
         copies = max(norm_groups, tied)
         units = len(scores) // copies
         order = scores.view(copies, units).mean(0).argsort().tolist()
@@ -550,8 +559,8 @@ def _uniform_cut(run: _Pruning, ranked: Sequence[_RankedGroup], heads: Mapping[s
 
 
 def _prune_uniform(run: _Pruning, ratio: float) -> tuple[UNet2DConditionModel, float, list[tuple[float, float]]]:
-    """The same fraction f of every group's units (and heads) removed, rounded per group (``_kept``): the
-    result removed ``ratio`` most nearly among all f up to ``MAX_CHANNEL_RATIO``. The removed share only grows
+    """The same fraction f of every group's units (and heads) removed, rounded per group (``_kept``): of all f
+    up to ``MAX_CHANNEL_RATIO``, the one whose result removes nearest ``ratio``. The removed share only grows
     with f and changes only where some group's rounded count does, so one f per interval between those points
     is bisected. Returns the model, its f and the (f, removed share) evaluated."""
     ranked, heads = _rank_groups(run)

@@ -71,7 +71,9 @@ def pruned_student(teacher_unet: UNet2DConditionModel, ratio: float = 0.5, targe
     """The teacher with ``ratio`` of its FLOPs (or parameters) removed by structured channel and head pruning
     (``distill.compress.prune``), magnitude or Diff-Pruning's timestep-aggregated Taylor importance; the latter
     is measured on ``calib_batches`` batches of ``calib_data`` (a data module; ``+exp=compress`` passes the
-    training data). FLOPs are counted at the teacher's sample size and text length."""
+    training data) over every training timestep until the ``threshold`` stops it (``timesteps`` thins them).
+    ``per_block`` (a uniform width multiplier) or global ranking, which alone takes ``iterative_steps``: see
+    ``prune_unet``. FLOPs are counted at the teacher's sample size and text length."""
     from distill.compress.prune import _check_ratio, prune_unet, unet_example_inputs
 
     _check_ratio("student.ratio", ratio)  # before the copy and any calibration compute
