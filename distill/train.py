@@ -103,7 +103,13 @@ def _check_compatible(checkpoint: dict, path: str, method) -> None:
 def _instantiate_all(cfg: DictConfig):
     from hydra.utils import instantiate
 
-    from distill.callbacks.resilience import NonFiniteGuard, Preemption, RNGState, RunIdentity
+    from distill.callbacks.resilience import (
+        FinalCheckpoint,
+        NonFiniteGuard,
+        Preemption,
+        RNGState,
+        RunIdentity,
+    )
     from distill.utils.checkpoint import AtomicCheckpointIO, local_path
 
     datamodule = instantiate(cfg.data)
@@ -114,7 +120,7 @@ def _instantiate_all(cfg: DictConfig):
         extra["teacher"] = instantiate(cfg.teacher)
     # objects are passed after instantiation: Hydra would turn a dataclass argument into a config node
     method = instantiate(cfg.method, _partial_=True, _convert_="all")(**extra)
-    callbacks = [instantiate(c) for c in cfg.callbacks.values() if c is not None]
+    callbacks = [FinalCheckpoint(), *(instantiate(c) for c in cfg.callbacks.values() if c is not None)]
     # Lightning takes a file:// dirpath for a relative path (it realpath()s the URL), so a local URL goes in
     # as a plain path; any other fsspec URL (s3://, gs://, memory://) goes through as given.
     local = local_path(cfg.checkpoint.dirpath)
@@ -148,8 +154,21 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
 
 
+def _write_launch_record(run_dir: Path, launched: str) -> None:
+    """Hydra's record of this launch in ``.hydra/`` (the job's config as composed, Hydra's config, the overrides),
+    written once every check has passed: conf/hydra turns off Hydra's own write, which comes before the task runs,
+    so that a relaunch refused for a bad value leaves the record of the run it was pointed at."""
+    hydra_cfg = HydraConfig.instance().cfg
+    folder = run_dir / ".hydra"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.yaml").write_text(launched)
+    (folder / "hydra.yaml").write_text(OmegaConf.to_yaml(hydra_cfg))
+    (folder / "overrides.yaml").write_text(OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))
+
+
 def run(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    launched = OmegaConf.to_yaml(cfg)
     try:
         validate(cfg)
         check_objectives(cfg)
@@ -164,7 +183,7 @@ def run(cfg: DictConfig) -> dict:
         NONFINITE_EXIT_CODE,
         PREEMPTED_EXIT_CODE,
         NonFiniteLossError,
-        Preemption,
+        Preempted,
     )
     from distill.data.resumable import ResumableDataMixin
     from distill.utils.checkpoint import CheckpointError
@@ -202,18 +221,16 @@ def run(cfg: DictConfig) -> dict:
     for logger in trainer.loggers:  # the whole composed config, not only the method's arguments
         logger.log_hyperparams(OmegaConf.to_container(job_cfg, resolve=True))
     if trainer.is_global_zero:
+        _write_launch_record(run_dir, launched)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(job_cfg, resolve=True))
         n_params = sum(p.numel() for p in method.student.parameters())
         log.info("student: %s, %.2fM parameters; run directory %s", type(method.student).__name__, n_params / 1e6, run_dir)
 
+    preempted = False
     try:
         trainer.fit(method, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        preempted = any(isinstance(c, Preemption) and c.preempted for c in trainer.callbacks)
-        if preempted:
-            log.warning("preempted at step %d; exiting with code %d so that the scheduler requeues this command",
-                        trainer.global_step, PREEMPTED_EXIT_CODE)
-        elif not trainer.fast_dev_run:
+        if not trainer.fast_dev_run:
             _ema_to_live(trainer, method)  # every rank: a sharded student's EMA is in shards
             from distill.utils.sharding import gathered, strategy_of
 
@@ -221,6 +238,10 @@ def run(cfg: DictConfig) -> dict:
                 with gathered(trainer, method):  # sharded: rank 0 holds the full networks, the others wait
                     if trainer.is_global_zero:
                         _finish(cfg, run_dir, method, trainer)
+    except Preempted:  # only the checkpoint was saved: no evaluation, no export
+        preempted = True
+        log.warning("preempted at step %d; exiting with code %d so that the scheduler requeues this command",
+                    trainer.global_step, PREEMPTED_EXIT_CODE)
     except NonFiniteLossError as err:
         _fail(run_dir, str(err), NONFINITE_EXIT_CODE)
     except CheckpointError as err:

@@ -230,6 +230,32 @@ def test_a_sharded_save_killed_between_its_renames_resumes_from_the_previous_che
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "step_0000005.ckpt"]
 
 
+def test_sharded_metadata_loads_weights_only_whatever_the_caller_asks(tmp_path):
+    """Lightning passes its own weights_only to the strategy; meta.pt (RNG states, loops, callbacks) is read
+    weights-only anyway, as every other checkpoint: pickled code in it is refused, not run."""
+    from torch.distributed.checkpoint import save
+
+    from distill.utils.checkpoint import CheckpointError
+    from distill.utils.sharding import ShardedStrategy
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    net = torch.nn.Module()
+    net.student = torch.nn.Linear(2, 2)
+    folder = tmp_path / "last.ckpt"
+    save({"state_dict": net.state_dict()}, checkpoint_id=str(folder))  # one process: no process group needed
+    torch.save({"global_step": 3, "x": Boom()}, folder / "meta.pt")
+    strategy = ShardedStrategy()
+    strategy.model = net
+    with pytest.raises(CheckpointError, match="meta.pt .* not a weights-only checkpoint"):
+        strategy.load_checkpoint(folder, weights_only=False)
+    assert not (tmp_path / "pwned").exists()
+    torch.save({"global_step": 3}, folder / "meta.pt")
+    assert strategy.load_checkpoint(folder, weights_only=False) == {"global_step": 3}
+
+
 def test_fsdp_refuses_progressive_distillation(tmp_path):
     proc = run_train("+exp=progressive", "trainer=cpu_fsdp", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2 and "trainer=fsdp does not run progressive distillation" in proc.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distill.callbacks.resilience import Preempted
 from distill.utils.checkpoint import CheckpointError, atomic_torch_save, resolve_resume, safe_load
 from tests.conftest import ROOT, run_train
 
@@ -192,6 +193,67 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog
     found, ckpt = resolve_resume(tmp_path)
     assert found == old and ckpt["global_step"] == 1
     assert "last.ckpt" in caplog.text and "instead of the unreadable" in caplog.text
+
+
+def test_resume_takes_the_highest_stored_step_not_the_newest_file(tmp_path):
+    """A run directory copied with cp -r (no -p) has file times in the order cp copied the files: here the step-20
+    checkpoint is the newest file, last.ckpt the oldest."""
+    for name, step, age in (("last.ckpt", 30, 3), ("step_0000030.ckpt", 30, 2), ("step_0000020.ckpt", 20, 1)):
+        atomic_torch_save({"global_step": step, "w": torch.full((3,), float(step))}, tmp_path / name)
+        os.utime(tmp_path / name, (1e9 - age, 1e9 - age))
+    (tmp_path / "step_0000010.ckpt").write_bytes(b"garbage")  # unreadable: skipped, whatever its time
+    found, ckpt = resolve_resume(tmp_path)
+    assert found == tmp_path / "step_0000030.ckpt"  # of the two at step 30, the newer file
+    assert ckpt["global_step"] == 30 and torch.equal(ckpt["w"], torch.full((3,), 30.0))
+
+
+def test_the_final_step_is_checkpointed_when_the_interval_does_not_divide_it(tmp_path):
+    """max_steps=5 with a checkpoint every 2 steps: periodic checkpoints at 2 and 4, and last.ckpt at 5."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from distill.callbacks.resilience import FinalCheckpoint
+
+    class Toy(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.student = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.student(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(max_steps: int, folder: Path) -> None:
+        checkpoint = ModelCheckpoint(dirpath=folder, filename="step_{step:07d}", every_n_train_steps=2,
+                                     save_last=True, save_top_k=-1, auto_insert_metric_name=False)
+        loader = torch.utils.data.DataLoader([torch.ones(2, 1)] * 8, batch_size=None)
+        trainer = L.Trainer(max_steps=max_steps, callbacks=[FinalCheckpoint(), checkpoint], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=folder)
+        trainer.fit(Toy(), loader)
+
+    fit(5, tmp_path / "five")
+    assert sorted(p.name for p in (tmp_path / "five").iterdir()) == ["last.ckpt", "step_0000002.ckpt",
+                                                                    "step_0000004.ckpt"]
+    assert safe_load(tmp_path / "five" / "last.ckpt")["global_step"] == 5
+    fit(4, tmp_path / "four")  # the interval divides max_steps: last.ckpt is the periodic save's, left as it was
+    assert safe_load(tmp_path / "four" / "last.ckpt")["global_step"] == 4
+
+
+def test_a_refused_relaunch_leaves_the_run_directory_as_it_was(tmp_path):
+    """Hydra writes .hydra/ before the task runs; distill.train writes it only once the config has passed its
+    checks, so the record of the launch that made the run stays."""
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (run_dir / ".hydra" / name).write_text(f"# the original {name}\n")
+    atomic_torch_save({"global_step": 2}, run_dir / "checkpoints" / "last.ckpt")
+    (run_dir / "train.log").write_text("the original log\n")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    proc = run_train(*COMMON, "ckpt_path=last", "data.batch_size=-1", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2 and "data.batch_size=-1" in proc.stderr, proc.stderr[-3000:]
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.slow  # ~35 s; resolve_resume skipping a damaged file is unit-tested
@@ -425,17 +487,145 @@ def test_preemption_under_accumulation_saves_at_the_step_boundary(tmp_path):
     trainer = L.Trainer(max_epochs=1, accumulate_grad_batches=2, callbacks=[preemption], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path)
-    trainer.fit(Toy(), loader)
+    with pytest.raises(Preempted, match="preempted at step 2"):
+        trainer.fit(Toy(), loader)
     saved = safe_load(tmp_path / "last.ckpt")
-    assert preemption.preempted and trainer.global_step == saved["global_step"] == 2  # after batch 4 of 8
+    assert trainer.global_step == saved["global_step"] == 2  # after batch 4 of 8
+
+
+def test_after_a_preemption_signal_only_the_checkpoint_runs(tmp_path):
+    """The step that sees the signal saves last.ckpt and the fit ends there: no validation pass (Lightning runs one
+    after should_stop is set), no on_train_end hook (the quality-cost callback's final sweep, a method's export)."""
+    import lightning as L
+
+    from distill.callbacks.resilience import Preemption
+
+    preemption, events = Preemption(), []
+
+    class Recorder(L.Callback):
+        def on_validation_start(self, trainer, pl_module):
+            events.append(("validation", trainer.global_step))
+
+        def on_train_end(self, trainer, pl_module):
+            events.append(("train_end", trainer.global_step))
+
+    class Toy(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.student = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:  # the third step
+                preemption.received = signal.SIGTERM
+            return self.student(batch).pow(2).mean()
+
+        def validation_step(self, batch, batch_idx):
+            return self.student(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader([torch.ones(2, 1)] * 8, batch_size=None)
+    trainer = L.Trainer(max_steps=8, val_check_interval=1, num_sanity_val_steps=0, callbacks=[Recorder(), preemption],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(Preempted, match="preempted at step 3"):
+        trainer.fit(Toy(), loader, loader)
+    assert safe_load(tmp_path / "last.ckpt")["global_step"] == 3
+    assert events == [("validation", 1), ("validation", 2)]  # nothing after the save at step 3
 
 
 def test_a_fresh_start_never_overwrites_the_checkpoints_of_a_run_directory(tmp_path):
     run_dir = tmp_path / "run"
     first = run_train(*COMMON, "trainer.max_steps=2", "logger=csv", f"hydra.run.dir={run_dir}")
     assert first.returncode == 0, first.stderr[-3000:]
-    before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
-    again = run_train(*COMMON, "trainer.max_steps=2", "logger=csv", f"hydra.run.dir={run_dir}")  # no ckpt_path
+    overrides = (run_dir / ".hydra" / "overrides.yaml").read_text()  # written once the launch passed its checks
+    assert "trainer.max_steps=2" in overrides and "exp_name: debug" in (run_dir / ".hydra" / "config.yaml").read_text()
+    before = {p: p.read_bytes() for p in [*(run_dir / "checkpoints").iterdir(), *(run_dir / ".hydra").iterdir()]}
+    again = run_train(*COMMON, "trainer.max_steps=2", "seed=1", "logger=csv", f"hydra.run.dir={run_dir}")  # no ckpt_path
     assert again.returncode == 2
     assert "ckpt_path=last" in again.stderr and "hydra.run.dir" in again.stderr
-    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before
+    assert {p: p.read_bytes() for p in [*(run_dir / "checkpoints").iterdir(), *(run_dir / ".hydra").iterdir()]} == before
+
+
+# ---------------------------------------------------------------- validation on a checkpoint step
+
+
+def test_evaluation_loaders_leave_the_global_rng_alone(tmp_path):
+    """A pass over a DataLoader without a generator of its own draws its base seed from the global torch RNG; a
+    validation pass right after a checkpoint would then move the RNG past the state the checkpoint holds."""
+    from distill.data import DigitsDataModule, ImageFolderDataModule, WebDatasetDataModule
+    from tests.test_data import _png_bytes, _write_shard
+
+    for i in range(4):
+        (tmp_path / f"img{i}.png").write_bytes(_png_bytes(50 * i))
+    _write_shard(tmp_path / "shard-000.tar", 0, 4)
+    modules = [DigitsDataModule(resolution=8, eval_batch_size=256),
+               ImageFolderDataModule(root=str(tmp_path), resolution=8, heldout_fraction=0.5, eval_batch_size=1),
+               WebDatasetDataModule(urls=str(tmp_path / "shard-000.tar"), resolution=8, channels=1, eval_batch_size=2)]
+    for module in modules:
+        module.setup("fit")
+        before = torch.manual_seed(0).get_state()
+        batches = sum(1 for _ in module.val_dataloader())
+        assert batches == 2 and torch.equal(torch.get_rng_state(), before), type(module).__name__
+
+
+# the default experiment (+exp=consistency) with its callbacks on (sample grids, learning-rate monitor, quality-cost
+# sweep), shrunk; validation and checkpoints on the same steps, as in every shipped experiment
+N_DEMO = 5  # not a multiple of the checkpoint interval: the final step is checkpointed on its own
+DEMO = ["+exp=consistency", "data.batch_size=8", f"trainer.max_steps={N_DEMO}",
+        f"method.lr_scheduler.total_steps={N_DEMO}", "method.lr_scheduler.warmup_steps=2",
+        "trainer.val_check_interval=2", "checkpoint.every_n_train_steps=2", "checkpoint.save_top_k=-1",
+        "trainer.limit_val_batches=1", "data.eval_batch_size=8", "callbacks.samples.num_seeds=1",
+        "callbacks.quality_cost.num_per_class=1", "callbacks.quality_cost.steps=[1]",
+        "callbacks.quality_cost.teacher_steps=[1]", "callbacks.quality_cost.teacher_schedulers=[ddim]",
+        "callbacks.progress=null", "trainer.log_every_n_steps=1", "export=false", "sample_grid_seeds=0"]
+
+
+@pytest.fixture(scope="module")
+def straight_demo(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight_demo") / "run"
+    proc = run_train(*DEMO, "logger=csv", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow  # ~2 min for its three runs; the loaders' own generators are tested above in seconds
+def test_sigkill_after_a_checkpoint_with_validation_on_its_step_then_resume(straight_demo, tmp_path):
+    """Killed after the step-2 checkpoint (validation runs right after it, at the same step): the resumed run
+    ends bit-identical to the unbroken one, its final step 5 checkpointed."""
+    run_dir = tmp_path / "run"
+    proc = _popen(run_dir, base=DEMO)
+    _wait_for(run_dir / "checkpoints" / "step_0000002.ckpt", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run_dir / "checkpoints" / "step_0000004.ckpt").exists()  # killed before step 4
+    again = run_train(*DEMO, "ckpt_path=last", "logger=csv", f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    _assert_same_run(straight_demo, run_dir, N_DEMO)
+
+
+@pytest.mark.slow  # ~40 s; test_after_a_preemption_signal_only_the_checkpoint_runs covers it in-process
+def test_a_preempted_default_run_saves_and_exits_without_evaluating_or_exporting(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _popen(run_dir, base=[o for o in DEMO if o != "export=false"])
+    _wait_for(run_dir / "checkpoints" / "step_0000002.ckpt", proc)
+    proc.send_signal(signal.SIGTERM)
+    start = time.time()
+    while not (run_dir / "checkpoints" / "last.ckpt").exists() or safe_load(
+            run_dir / "checkpoints" / "last.ckpt")["global_step"] < 3:  # the preemption save, at step 3 or later
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() - start < 120
+        time.sleep(0.05)
+    saved_at = time.time()
+    out, err = proc.communicate(timeout=120)
+    exit_s = time.time() - saved_at
+    if proc.returncode == 0:
+        pytest.skip("signal arrived after the final step")
+    assert proc.returncode == 75, err[-3000:]
+    assert exit_s < 15, f"{exit_s:.1f} s from the save to the exit"
+    # no final quality-cost sweep (it would write quality_cost.csv and load the teacher), no export
+    assert not (run_dir / "quality_cost.csv").exists() and not (run_dir / "export").exists()
+    step = safe_load(run_dir / "checkpoints" / "last.ckpt")["global_step"]
+    assert not (run_dir / "samples" / f"step_{step:07d}.png").exists()  # no validation pass after the save

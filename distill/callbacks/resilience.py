@@ -25,6 +25,11 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+class Preempted(Exception):
+    """Raised by ``Preemption`` right after its checkpoint: it ends the fit there, so that nothing else runs before
+    the exit (no validation pass, no ``on_train_end`` work such as the final quality-cost sweep, no export)."""
+
+
 def _gather(obj):
     """Every rank's ``obj`` as a list ordered by rank (a one-element list without a process group)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -87,16 +92,23 @@ class RNGState(L.Callback):
             self._pending = None
 
 
+def last_checkpoint_path(trainer, name: str = "last.ckpt") -> str:
+    """``name`` in the run's checkpoint folder (a local folder or an fsspec URL)."""
+    dirpath = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else trainer.default_root_dir
+    return f"{str(dirpath).rstrip('/')}/{name}"
+
+
 class Preemption(L.Callback):
     """On SIGUSR1 or SIGTERM (SLURM's warning signal, Kubernetes' eviction), finish the current step, save
-    ``last.ckpt`` on every rank in agreement at that step boundary, and stop; ``distill.train`` then exits
-    with ``PREEMPTED_EXIT_CODE`` so that the scheduler requeues the same command, which resumes."""
+    ``last.ckpt`` on every rank in agreement at that step boundary, and stop at once by raising ``Preempted``
+    (a scheduler's grace period is short: Lightning's ``should_stop`` would still run a validation pass and every
+    ``on_train_end`` hook); ``distill.train`` then exits with ``PREEMPTED_EXIT_CODE`` so that the scheduler
+    requeues the same command, which resumes."""
 
     def __init__(self, signals: tuple[str, ...] = ("SIGUSR1", "SIGTERM"), checkpoint_name: str = "last.ckpt"):
         self.signals = [getattr(signal, s) for s in signals]
         self.checkpoint_name = checkpoint_name
         self.received: int | None = None
-        self.preempted = False
         self._previous: dict = {}
         self._step_at_batch_start = -1
 
@@ -123,22 +135,44 @@ class Preemption(L.Callback):
         stop = trainer.strategy.reduce_boolean_decision(self.received is not None, all=False)
         # inside a gradient-accumulation window (no optimizer step yet), wait for the window's step: a checkpoint
         # here would lose the gradients accumulated so far
-        if not stop or self.preempted or trainer.global_step == self._step_at_batch_start:
+        if not stop or trainer.global_step == self._step_at_batch_start:
             return
-        dirpath = trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else trainer.default_root_dir
-        path = f"{str(dirpath).rstrip('/')}/{self.checkpoint_name}"  # a local folder or an fsspec URL
+        path = last_checkpoint_path(trainer, self.checkpoint_name)
         trainer.save_checkpoint(path, weights_only=False)
         name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
         log.warning("received %s: saved %s at step %d and stopping; relaunch the same command with ckpt_path=last "
                     "(and the same hydra.run.dir) to resume", name, path, trainer.global_step)
-        self.preempted = True
-        trainer.should_stop = True
+        raise Preempted(f"preempted at step {trainer.global_step}")
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_handlers()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore_handlers()
+
+
+class FinalCheckpoint(L.Callback):
+    """Saves ``last.ckpt`` when training ends on a step that no checkpoint holds (``max_steps`` not a multiple of
+    ``checkpoint.every_n_train_steps``), so that a finished run's last checkpoint holds all it trained. Put before
+    the other callbacks, it saves before the ``on_train_end`` work of theirs and of the method (the final
+    quality-cost sweep, progressive distillation's last round export), which a kill may interrupt."""
+
+    def __init__(self, checkpoint_name: str = "last.ckpt"):
+        self.checkpoint_name = checkpoint_name
+        self._held_step = -1  # the step of the newest checkpoint saved or resumed from
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self._held_step = trainer.global_step
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        self._held_step = checkpoint.get("global_step", -1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.checkpoint_callback is None or trainer.fast_dev_run or trainer.global_step == self._held_step:
+            return
+        path = last_checkpoint_path(trainer, self.checkpoint_name)
+        trainer.save_checkpoint(path, weights_only=False)
+        log.info("saved %s at the final step %d", path, trainer.global_step)
 
 
 class NonFiniteGuard(L.Callback):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from distill.data.resumable import ResumableDataMixin
+from distill.data.resumable import ResumableDataMixin, evaluation_loader
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
@@ -103,6 +103,6 @@ class DigitsDataModule(ResumableDataMixin, L.LightningDataModule):
         return self._train_loader(self.train_set, self.batch_size, self.shuffle_seed, True, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.heldout_set, batch_size=self.eval_batch_size, shuffle=False, num_workers=0)
+        return evaluation_loader(self.heldout_set, self.eval_batch_size)
 
     test_dataloader = val_dataloader

@@ -10,7 +10,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 
-from distill.data.resumable import ResumableDataMixin
+from distill.data.resumable import ResumableDataMixin, evaluation_loader
 from distill.data.transforms import image_to_tensor
 
 log = logging.getLogger(__name__)
@@ -111,4 +111,4 @@ class ImageFolderDataModule(ResumableDataMixin, L.LightningDataModule):
                                   len(self.train_set) >= self.batch_size, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.heldout_set, batch_size=self.eval_batch_size, shuffle=False)
+        return evaluation_loader(self.heldout_set, self.eval_batch_size)

@@ -78,6 +78,14 @@ def resumable_loader(dataset, batch_size: int, seed: int, shuffle: bool = True, 
                       generator=torch.Generator().manual_seed(seed))
 
 
+def evaluation_loader(dataset, batch_size: int, seed: int = 0) -> DataLoader:
+    """An in-order DataLoader with a generator of its own. Each pass over a DataLoader draws a base seed for its
+    workers from its generator, from the global torch RNG when it has none; a validation pass drawing from the
+    global RNG right after a checkpoint (every step where both fall) would put a run resumed from that checkpoint
+    off the random numbers of the unbroken run, since the checkpoint was saved before the draw."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, generator=torch.Generator().manual_seed(seed))
+
+
 class ResumableDataMixin:
     """Checkpoint hooks for a LightningDataModule whose ``train_dataloader`` uses ``resumable_loader``."""
 

@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from distill.data.resumable import evaluation_loader
 from distill.data.transforms import image_to_tensor
 
 IMAGE_KEYS = ("png", "jpg", "jpeg", "webp")
@@ -82,9 +83,10 @@ class WebDatasetDataModule(L.LightningDataModule):
         return ds.map(self._decode)
 
     def train_dataloader(self) -> DataLoader:
-        # off the step's critical path: persistent workers, pinned host memory when a GPU takes the batches
+        # off the step's critical path: persistent workers, pinned host memory when a GPU takes the batches; the
+        # workers' seeds from the loader's own generator, not a draw from the global RNG at each epoch's start
         off_path = {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0,
-                    "pin_memory": torch.cuda.is_available()}
+                    "pin_memory": torch.cuda.is_available(), "generator": torch.Generator().manual_seed(self.seed)}
         if self.encoder is None:
             return DataLoader(self._dataset(self.urls, True), batch_size=self.batch_size, **off_path)
         from torch.utils.data import default_collate
@@ -94,4 +96,4 @@ class WebDatasetDataModule(L.LightningDataModule):
         return DataLoader(ds.map(self.encoder), batch_size=None, **off_path)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._dataset(self.heldout_urls or self.urls[:1], False), batch_size=self.eval_batch_size)
+        return evaluation_loader(self._dataset(self.heldout_urls or self.urls[:1], False), self.eval_batch_size)

@@ -1,5 +1,5 @@
 """Checkpoints that are never half-written, load without executing pickled code, and resume from the
-newest readable file.
+readable file of the highest step.
 
 * Paths are fsspec URLs or local paths, so checkpoint folders may live on ``s3://``, ``gs://``, ``file://``
   or ``memory://``. On a local disk ``AtomicCheckpointIO`` writes to ``<name>.tmp-<pid>`` in the same folder,
@@ -10,7 +10,8 @@ newest readable file.
   saved, so rotation never drops below the newest complete file. (Lightning's local save writes the target
   in place, without the rename or fsync, which is why the local path stays ours.)
 * Loading uses ``torch.load(weights_only=True)``: tensors and plain containers only.
-* ``resolve_resume`` picks the newest checkpoint in a run directory that loads, naming any it skips.
+* ``resolve_resume`` picks the checkpoint of a run directory with the highest stored step that loads, naming any it
+  skips.
 """
 
 from __future__ import annotations
@@ -84,14 +85,18 @@ def atomic_torch_save(obj, path: str | Path) -> None:
     _fsync_dir(path.parent)
 
 
-def safe_load(path: str | Path, map_location="cpu") -> dict:
+def safe_load(path: str | Path, map_location="cpu", mmap: bool = False) -> dict:
     """A checkpoint's contents (local path or fsspec URL) without running pickled code; a clear error for a
     damaged file. A sharded checkpoint's folder gives its metadata (everything but the sharded weights and
-    optimizer states)."""
+    optimizer states). ``mmap``: a local file's tensors are mapped from the file, not read (a cheap look at
+    its step); other filesystems read the whole file either way."""
     fs, inner = url_to_fs(str(path))
     if fs.isdir(inner) and fs.isfile(f"{inner}/{SHARDED_META}"):
         path, inner = f"{str(path).rstrip('/')}/{SHARDED_META}", f"{inner}/{SHARDED_META}"
+    local = local_path(path) if mmap else None
     try:
+        if local is not None:
+            return torch.load(local, map_location=map_location, weights_only=True, mmap=True)
         with fs.open(inner, "rb") as f:
             return torch.load(f, map_location=map_location, weights_only=True)
     except FileNotFoundError:
@@ -165,8 +170,9 @@ def candidate_checkpoints(folder: str | Path) -> list[Path | str]:
 
 
 def resolve_resume(folder: str | Path) -> tuple[Path | str | None, dict | None]:
-    """The newest checkpoint in ``folder`` that loads, with its contents; (None, None) if there is none.
-    Unreadable newer files are reported (by name) and skipped."""
+    """The readable checkpoint in ``folder`` with the highest stored global step (not the newest file: a run
+    directory copied with ``cp -r`` has new, arbitrary file times), with its contents (a local file's tensors
+    memory-mapped); (None, None) if there is none. Unreadable files are reported (by name) and skipped."""
     local = local_path(folder)
     if local is not None:
         for old in local.glob("*.ckpt.old"):  # a sharded save stopped between its two renames: the previous one
@@ -178,17 +184,21 @@ def resolve_resume(folder: str | Path) -> tuple[Path | str | None, dict | None]:
         for stale in [*local.glob("*.ckpt.tmp-*"), *local.glob("*.ckpt.tmp"), *local.glob("*.ckpt.old")]:
             log.warning("removing %s, an unfinished checkpoint write", stale)
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-    skipped = []
-    for path in candidate_checkpoints(folder):
+    skipped, best = [], None
+    for path in candidate_checkpoints(folder):  # equal steps: the newest file wins
         try:
-            checkpoint = safe_load(path)
+            checkpoint = safe_load(path, mmap=True)
         except CheckpointError as err:
             log.error("%s", err)
             skipped.append(PurePosixPath(str(path)).name)
             continue
+        step = checkpoint.get("global_step", -1)
+        if best is None or step > best[0]:
+            best = (step, path, checkpoint)
+    if best is None:
         if skipped:
-            log.warning("resuming from %s instead of the unreadable %s", path, ", ".join(skipped))
-        return path, checkpoint
+            raise CheckpointError(f"no readable checkpoint in {folder}: {', '.join(skipped)} are all unreadable")
+        return None, None
     if skipped:
-        raise CheckpointError(f"no readable checkpoint in {folder}: {', '.join(skipped)} are all unreadable")
-    return None, None
+        log.warning("resuming from %s instead of the unreadable %s", best[1], ", ".join(skipped))
+    return best[1], best[2]

@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from distill.utils.checkpoint import SHARDED_META as META
+from distill.utils.checkpoint import safe_load
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,9 @@ class ShardedStrategy(ModelParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
         """Load the sharded states that the checkpoint holds (the frozen teacher is rebuilt from its pipeline and
-        not stored: its keys are left as built), each rank reading its own shards."""
+        not stored: its keys are left as built), each rank reading its own shards. The metadata loads weights-only
+        whatever the caller's ``weights_only`` (as every other checkpoint does): a checkpoint never runs pickled
+        code."""
         from torch.distributed.checkpoint import FileSystemReader, load
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -259,7 +262,7 @@ class ShardedStrategy(ModelParallelStrategy):
             load(optim_state, checkpoint_id=str(path))
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
                                      options=StateDictOptions(cpu_offload=True))
-        return torch.load(path / META, weights_only=weights_only)
+        return safe_load(path)
 
 
 def _fsync_dir(folder: Path) -> None:
