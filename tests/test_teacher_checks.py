@@ -173,3 +173,23 @@ def test_sample_takes_a_plain_pipelines_own_default_guidance(tmp_path, capsys):
                 "num_seeds=1", "upscale=1", "num_inference_steps=1", *extra])
         sample_cmd.main(cfg)
         assert f"1 images, 1 steps, guidance {guidance}:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given, expected", [(None, 7.5), (2.5, 2.5)])
+def test_the_quality_cost_callback_samples_a_plain_teacher_at_its_own_default_guidance(tmp_path, monkeypatch, given,
+                                                                                         expected):
+    """The training callback's teacher rows: a teacher folder without distill.json at StableDiffusionPipeline's 7.5
+    (was 1.0), unless callbacks.quality_cost.teacher_guidance_scale is set."""
+    import types
+
+    import torch
+
+    from distill.callbacks.quality_cost import QualityCostCallback
+    from tests.sd_tiny import write_tiny_sd
+
+    callback = QualityCostCallback(None, teacher=str(write_tiny_sd(tmp_path / "pipe")), teacher_steps=(2,),
+                                   teacher_guidance_scale=given)
+    swept = []
+    monkeypatch.setattr(callback, "_sweep", lambda sampler, model, plan, guidance, *a, **k: swept.append(guidance) or [])
+    callback._teacher_rows(types.SimpleNamespace(student=torch.nn.Linear(2, 2)))
+    assert swept == [expected]

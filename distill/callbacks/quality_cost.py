@@ -109,13 +109,14 @@ class QualityCostCallback(L.Callback):
         """The teacher's rows, computed once (they are kept in the checkpoint); the teacher is released after."""
         if self.teacher is None or self.teacher_rows:
             return self.teacher_rows
-        from distill.inference.loading import pipeline_defaults
+        from distill.inference.loading import call_defaults, pipeline_defaults
 
         sampler = self._teacher_sampler(pl_module)
         device = sampler.unet.device
         guidance = self.teacher_guidance_scale
         if guidance is None:
-            guidance = pipeline_defaults(self.teacher).get("guidance_scale", 1.0)
+            # the teacher's intended call (distill.json), else its pipeline class's (StableDiffusionPipeline: 7.5)
+            guidance = pipeline_defaults(self.teacher).get("guidance_scale", call_defaults(sampler.pipe)[1])
         plan = [(name, steps) for name in self.teacher_schedulers for steps in self.teacher_steps]
         self.teacher_rows = self._sweep(
             sampler, "teacher", plan, guidance, lambda row: f"{row['model']}-{row['scheduler']}-{row['steps']}.png",
