@@ -39,7 +39,7 @@ from urllib.parse import quote
 import yaml
 
 CSV_NAME = "quality_cost.csv"
-STRING_COLUMNS = {"model", "scheduler", "accelerate"}
+STRING_COLUMNS = {"model", "scheduler", "accelerate", "replicate_key"}
 LEAD = ["run"]  # then one column per distinguishing override, then TAIL
 TAIL = ["pareto", "dir"]
 MAX_CONFIG_LINES = 8  # config differences shown in a point's hover (the runs table lists them all)

@@ -152,7 +152,7 @@ def test_a_registered_metric_reaches_every_table_and_csv(monkeypatch, tmp_path):
     evaluator = QualityCostEvaluator(eval_set, num_per_class=2)
     images = torch.linspace(-1, 1, 20).view(20, 1, 1, 1).expand(20, 1, 32, 32)
     row = evaluator.quality(images)
-    assert list(row) == ["brightness", "brightness_std", "brightness_replicates"]
+    assert list(row) == ["replicate_key", "brightness", "brightness_std", "brightness_replicates"]
     assert row["brightness"] == pytest.approx(0.0, abs=1e-6) and len(row["brightness_replicates"]) == 20
     row.update(model="m", scheduler="ddim", steps=1)
     assert "brightness" in columns() and "bright=" in format_quality(row)

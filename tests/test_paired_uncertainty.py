@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from distill.metrics.bootstrap import difference_std, resample_indices
+from distill.metrics.bootstrap import difference_std, protocol_key, resample_indices
 from distill.metrics.fid import frechet_distance, gaussian_statistics
 from distill.metrics.kid import kernel_inception_distance, kid_subset_values
 from distill.metrics.quality_cost import QualityCostEvaluator
@@ -34,7 +34,8 @@ def paired_sets(noise: float, seed: int = 0):
 
 def fid_row(fid, features, strata, seed=1) -> dict:
     values = fid.bootstrap_values(features, R, seed, strata)
-    return {"fid": fid.from_features(features), "fid_std": float(values.std()), "fid_replicates": values.tolist()}
+    return {"fid": fid.from_features(features), "fid_std": float(values.std()), "fid_replicates": values.tolist(),
+            "replicate_key": protocol_key(strata, seed)}
 
 
 def test_fid_difference_is_the_paired_bootstrap_by_hand():
@@ -73,6 +74,21 @@ def test_independent_sets_give_the_combined_std():
         paired.append(difference_std(ra["fid_replicates"], rb["fid_replicates"])
                       / math.hypot(ra["fid_std"], rb["fid_std"]))
     assert sum(paired) / len(paired) == pytest.approx(1.0, abs=0.1)
+
+
+def test_rows_of_another_sample_count_are_not_paired():
+    """With one seed, N and 2N samples draw related indices (randint(N) = randint(2N) mod N), neither shared nor
+    independent: such rows get the combined sd, as rows without replicates do."""
+    fid = identity_fid(torch.full((DIM,), 0.3), torch.eye(DIM))
+    a, b = paired_sets(noise=0.05)
+    small = fid_row(fid, a[: N // 2], torch.arange(N // 2) % 10)
+    large = fid_row(fid, b, torch.arange(N) % 10)
+    assert small["replicate_key"] != large["replicate_key"]
+    from distill.metrics.report import difference_std as row_difference_std
+
+    assert row_difference_std(small, large) == math.hypot(small["fid_std"], large["fid_std"])
+    same = fid_row(fid, b[: N // 2], torch.arange(N // 2) % 10)
+    assert row_difference_std(small, same) == difference_std(small["fid_replicates"], same["fid_replicates"])
 
 
 def test_mean_metrics_pair_up_to_the_standard_error_of_the_differences():

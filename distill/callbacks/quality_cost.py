@@ -219,7 +219,7 @@ class QualityCostCallback(L.Callback):
                 if key in r:
                     metrics[f"val/{key}@{tag}"] = r[key]
         for key, value in (self._floor or {}).items():  # val/fid_floor, val/fid_floor_std, val/kid_floor, ...
-            if key.endswith("_replicates"):  # for paired comparisons in tables, not a scalar to log
+            if not isinstance(value, int | float):  # the paired replicates and their protocol key: for tables
                 continue
             name, std = (key[:-4], "_std") if key.endswith("_std") else (key, "")
             metrics[f"val/{name}_floor{std}"] = value

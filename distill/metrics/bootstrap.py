@@ -10,6 +10,7 @@ it reduces to sqrt(std_a^2 + std_b^2).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,14 @@ def bootstrap_replicates(statistic: Callable[[torch.Tensor], float], strata: tor
     strata = strata.cpu()
     return torch.tensor([statistic(resample_indices(strata, generator)) for _ in range(num_resamples)],
                         dtype=torch.float64)
+
+
+def protocol_key(strata: torch.Tensor, seed: int) -> str:
+    """What the resamples depend on (the sample count, the strata in sample order, the seed): rows whose keys are
+    equal were resampled together, so their replicates pair up; rows of another key (another ``num_per_class``:
+    the same seed then draws related, not shared, indices) must not be paired."""
+    digest = hashlib.sha1(strata.cpu().to(torch.int64).numpy().tobytes()).hexdigest()[:10]
+    return f"n{len(strata)}-seed{seed}-{digest}"
 
 
 def difference_std(replicates_a, replicates_b) -> float:

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from distill.inference.schedulers import scheduler_options
+from distill.metrics.bootstrap import protocol_key
 from distill.metrics.cost import NFECounter, measure_cost
 from distill.metrics.registry import Samples, build_metrics
 
@@ -128,7 +129,7 @@ class QualityCostEvaluator:
     def measure(self, samples: Samples, real_data: bool = False) -> dict:
         """``{name: value, name_std: std, name_replicates: [...]}`` of every metric (``real_data``: those measured
         on real images); the replicates are paired across the rows of this evaluator (same prompts and seeds)."""
-        row = {}
+        row = {"replicate_key": protocol_key(samples.strata, self.seed)}
         for metric in self.metrics:
             if real_data and not metric.real_data:
                 continue

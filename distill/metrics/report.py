@@ -32,8 +32,9 @@ def columns() -> list[str]:
 
 
 def replicate_columns() -> list[str]:
-    """Every registered metric's paired replicates (``<name>_replicates``), the CSV's last columns."""
-    return [f"{name}_replicates" for name in METRICS]
+    """The protocol the replicates were drawn under and every registered metric's paired replicates
+    (``<name>_replicates``), the CSV's last columns."""
+    return ["replicate_key"] + [f"{name}_replicates" for name in METRICS]
 
 
 def encode_replicates(values: Sequence[float]) -> str:
@@ -57,10 +58,11 @@ def pareto_front(rows: list[dict], x: str = "latency_s", y: str = "fid") -> list
 
 def difference_std(a: dict, b: dict, key: str = "fid") -> float:
     """Uncertainty of ``a[key] - b[key]``: the paired bootstrap over shared resamples when both rows hold
-    ``<key>_replicates`` of one protocol (the same prompts and seeds: what the rows share cancels), else the
-    independent sqrt(std_a^2 + std_b^2) (``<key>_std`` of each row)."""
+    ``<key>_replicates`` of one protocol (equal ``replicate_key``: the same prompts and seeds, resampled together;
+    what the rows share cancels), else the independent sqrt(std_a^2 + std_b^2) (``<key>_std`` of each row)."""
     ra, rb = a.get(f"{key}_replicates"), b.get(f"{key}_replicates")
-    if ra is not None and rb is not None and len(ra) == len(rb) >= 2:
+    same = a.get("replicate_key") is not None and a.get("replicate_key") == b.get("replicate_key")
+    if same and ra is not None and rb is not None and len(ra) == len(rb) >= 2:
         return difference_std_of_replicates(ra, rb)
     return math.hypot(a[f"{key}_std"], b[f"{key}_std"])
 
