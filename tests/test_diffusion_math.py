@@ -195,7 +195,11 @@ def test_diffusion_method_with_edm_weighting_draws_edm_timesteps_and_refuses_zer
     schedule = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
     method = DiffusionTraining(build_class_unet(8, 1, size="debug"), schedule, ClassConditioner(10), torch.optim.AdamW,
                                loss_weighting="edm")
-    p = edm_timestep_probabilities(((1 - schedule.alphas_cumprod.double()) / schedule.alphas_cumprod.double()).sqrt())
+    sigmas = ((1 - schedule.alphas_cumprod.double()) / schedule.alphas_cumprod.double()).sqrt()
+    # EDM's P_mean is for sigma_data = 0.5: at the method's sigma_data = 1 the same distribution relative to the data
+    assert method.noise.sigma_data == 1.0
+    torch.testing.assert_close(edm_timestep_probabilities(sigmas, 1.0), edm_timestep_probabilities(sigmas * 0.5))
+    p = edm_timestep_probabilities(sigmas, method.noise.sigma_data)
     torch.testing.assert_close(method.time_target, p)
     bins, w = method.draw_time_bins(20_000, method.time_sigmas, torch.Generator().manual_seed(0), target=method.time_target)
     assert w is None
@@ -204,7 +208,11 @@ def test_diffusion_method_with_edm_weighting_draws_edm_timesteps_and_refuses_zer
     mean = float((p * method.time_sigmas.double().log()).sum())
     std = float((p * (method.time_sigmas.double().log() - mean) ** 2).sum().sqrt())
     assert float(log_sigma.mean()) == pytest.approx(mean, abs=4 * std / math.sqrt(20_000))
-    assert mean == pytest.approx(-1.147, abs=0.001) and std == pytest.approx(1.134, abs=0.001)  # -1.2, 1.2 cut at sigma_0
+    # -1.2 + ln 2 and 1.2, cut at sigma_0
+    assert mean == pytest.approx(-0.507, abs=0.001) and std == pytest.approx(1.162, abs=0.001)
+    p_edm = edm_timestep_probabilities(sigmas)  # sigma_data = 0.5: EDM's own numbers
+    mean = float((p_edm * sigmas.log()).sum())
+    assert mean == pytest.approx(-1.147, abs=0.001)
     with pytest.raises(ValueError, match="zero terminal SNR"):
         DiffusionTraining(build_class_unet(8, 1, size="debug"),
                           DDPMScheduler(rescale_betas_zero_snr=True), ClassConditioner(10), torch.optim.AdamW,

@@ -26,6 +26,7 @@ import torch
 PROPOSALS = ("default", "lognormal", "adaptive")
 PRECONDITIONINGS = ("none", "edm")
 EDM_P_MEAN, EDM_P_STD = -1.2, 1.2  # EDM's training noise distribution, ln sigma ~ N(P_mean, P_std^2) (table 1)
+EDM_SIGMA_DATA = 0.5  # the data std EDM's P_mean was chosen for (table 1)
 
 
 @dataclasses.dataclass
@@ -134,12 +135,14 @@ def lognormal_bin_probabilities(sigmas: torch.Tensor, p_mean: float = -1.1, p_st
     return mass / mass.sum()
 
 
-def edm_timestep_probabilities(sigmas: torch.Tensor) -> torch.Tensor:
+def edm_timestep_probabilities(sigmas: torch.Tensor, sigma_data: float = EDM_SIGMA_DATA) -> torch.Tensor:
     """EDM's training noise distribution ln sigma ~ N(-1.2, 1.2^2) (Karras et al. 2022, table 1) on a discrete
     schedule's ascending noise levels ``sigmas`` (sigma_t = sqrt((1 - abar_t) / abar_t), the VE level of
     x_t / alpha_t): each timestep gets the distribution's mass between the log-midpoints to its neighbours
-    (``lognormal_bin_probabilities``), normalised over the schedule's range."""
-    return lognormal_bin_probabilities(sigmas, EDM_P_MEAN, EDM_P_STD)
+    (``lognormal_bin_probabilities``), normalised over the schedule's range. EDM's P_mean is for data of std
+    sigma_data = 0.5; only sigma / sigma_data matters, so data of another ``sigma_data`` gets the same distribution
+    relative to it, P_mean + ln(sigma_data / 0.5) (as rescaling the data to EDM's 0.5 would)."""
+    return lognormal_bin_probabilities(sigmas, EDM_P_MEAN + math.log(sigma_data / EDM_SIGMA_DATA), EDM_P_STD)
 
 
 class TimeSampler:

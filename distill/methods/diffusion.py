@@ -89,7 +89,7 @@ class DiffusionTraining(DistillMethod):
                 raise ValueError("method.loss_weighting=edm needs 0 < alpha_bar < 1 at every timestep (finite sigma); "
                                  "this schedule has zero terminal SNR (rescale_betas_zero_snr): set it to false or "
                                  "choose another method.loss_weighting")
-            self.time_target = edm_timestep_probabilities(sigmas)
+            self.time_target = edm_timestep_probabilities(sigmas, self.noise.sigma_data)
 
     def train(self, mode: bool = True):
         super().train(mode)
