@@ -666,6 +666,30 @@ def test_forecast_on_a_pndm_teacher_patterns_its_eleven_calls(pipe):
         pipe.scheduler = plain_scheduler
 
 
+def test_a_taylor_forecast_on_pndm_extrapolates_along_its_distinct_timesteps(pipe):
+    """PLMS calls the UNet twice at its second timestep (900, 800, 800, 700, ...): the Taylor axis is the distinct
+    timestep, not the call. With real calls 0, 1, 3, 5, ... the forecast of call 2 (t = 800 again) is call 1's output
+    itself, and call 4 (t = 600) extrapolates calls 1 and 3 (t = 800, 700) one timestep on: 2 e3 - e1. Counted by
+    calls, call 2 was e1 + (e1 - e0) and call 4 used half that slope."""
+    from diffusers import PNDMScheduler
+
+    plain_scheduler = pipe.scheduler
+    pipe.scheduler = PNDMScheduler.from_config(plain_scheduler.config, skip_prk_steps=True)
+    seen = []
+    handle = pipe.unet.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append((float(args[1]), out[0].detach().clone())), with_kwargs=True)
+    try:
+        _sample(pipe, Forecast(interval=2), 10)
+    finally:
+        handle.remove()
+        pipe.scheduler = plain_scheduler
+    timesteps = [t for t, _ in seen]
+    assert len(seen) == 11 and timesteps[1] == timesteps[2] and len(set(timesteps)) == 10
+    e = [o for _, o in seen]
+    assert torch.equal(e[2], e[1])
+    torch.testing.assert_close(e[4], 2 * e[3] - e[1], rtol=1e-5, atol=1e-6)
+
+
 def test_served_forecast_on_a_pndm_teacher_answers_and_a_second_order_scheduler_is_refused_per_request(pipe):
     """``distill.serve accelerate=forecast`` on a stock SD-1.5 folder (PNDM) serves each request with 7 of its 11
     calls computed; a request for heun is refused by the request check, naming the scheduler's order, and a

@@ -241,6 +241,7 @@ class Forecast(Accelerator):
                                  f"it calls the UNet {self.num_calls} times for {num_inference_steps} steps: ")
         self.real = set(self.pattern(self.num_calls)) if self.num_calls else None
         self.history, self.calls, self.key = [], 0, None
+        self.position, self.last_timestep = -1, None
         self.taylor = (TaylorSeerState(taylor_factors_dtype=torch.float32, max_order=self.order)
                        if self.predictor == "taylor" else None)
         if self.predictor == "fitted" and num_inference_steps:
@@ -262,15 +263,26 @@ class Forecast(Accelerator):
     def passed_calls(self, num_calls: int | None) -> int | None:
         return len(self.real) if self.real is not None else num_calls
 
+    def _advance(self, timestep) -> int:
+        """The index of this call's timestep among the distinct timesteps so far: a Taylor forecast extrapolates
+        along the trajectory's time, and PLMS's warm-up calls the UNet twice at one timestep (PNDM: 900, 800, 800,
+        700, ...), so that call index is not the time axis."""
+        t = float(timestep.flatten()[0]) if torch.is_tensor(timestep) else timestep
+        if t is None or t != self.last_timestep:
+            self.position += 1
+        self.last_timestep = t
+        return self.position
+
     def _call(self, forward, *args, **kwargs):
         sample = args[0] if args else kwargs["sample"]
         key = (tuple(sample.shape), sample.dtype)
         step, self.calls = self.calls, self.calls + 1
+        position = self._advance(args[1] if len(args) > 1 else kwargs.get("timestep"))
         # after a real call of the same batch (TaylorSeer lowers the order while fewer real outputs exist)
         predict = self.real is not None and step not in self.real and self.key == key
         if predict:
             if self.predictor == "taylor":
-                self.taylor.current_step = step
+                self.taylor.current_step = position  # at a repeated timestep: the last real output itself
                 pred = self.taylor.predict()[0]
             else:
                 pred = self.fitted.predict(step, self.history, sample)
@@ -282,8 +294,8 @@ class Forecast(Accelerator):
         tensor = output_tensor(out).detach()
         if self.predictor == "fitted":
             self.history.append((step, tensor))  # the real outputs of this trajectory (what the lags index)
-        else:
-            self.taylor.current_step = step
+        elif self.taylor.last_update_step != position:  # a second real output at one timestep adds no slope
+            self.taylor.current_step = position
             self.taylor.update((tensor,))
         return out
 
