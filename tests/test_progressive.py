@@ -73,7 +73,7 @@ def test_teacher_without_ddim_schedule_is_rejected(tiny_sd, tmp_path):
     cfg_file.write_text(json.dumps(cfg))
     proc = run_train("+exp=progressive", f"teacher.pretrained_model_name_or_path={bad}", "logger=csv",
                      f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
-    assert proc.returncode == 2 and "DDIM-compatible" in proc.stderr
+    assert proc.returncode == 2 and "FlowMatchEulerDiscreteScheduler (flow matching)" in proc.stderr
 
 
 def _w_method(tiny_sd, **kw):
