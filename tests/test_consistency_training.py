@@ -304,6 +304,16 @@ class _Linear(torch.nn.Module):
         return type("Out", (), {"sample": self.w * x + self.b * (tau.float() / 1000).view(-1, 1, 1, 1) * cond})()
 
 
+def _loss_and_gradient(method, n: int, digit: str, seed: int):
+    """The method's loss on n copies of one caption (latents (n, 4, 8, 8) seeded 7, posterior std 0) and the
+    gradient of the two-parameter student: (latent means, batch, loss, (2, ...) gradient)."""
+    mean = torch.randn(n, 4, 8, 8, generator=torch.Generator().manual_seed(7))
+    batch = {"latent_mean": mean, "latent_std": torch.zeros_like(mean), "caption": [f"a handwritten digit {digit}"] * n}
+    loss = method.loss(batch, torch.Generator().manual_seed(seed))
+    loss.backward()
+    return mean, batch, loss, torch.stack([method.student.w.grad, method.student.b.grad])
+
+
 @pytest.mark.parametrize("step, max_steps", [(0, 1_000), (600, 1_000)])
 def test_ect_loss_value_and_gradient_computed_by_hand(tiny_sd, step, max_steps):
     """ConsistencyTraining.loss (ECT, epsilon teacher) against Geng et al. 2024 written out: x0 from the batch;
@@ -318,11 +328,7 @@ def test_ect_loss_value_and_gradient_computed_by_hand(tiny_sd, step, max_steps):
     method.student, method.curriculum_steps = _Linear(), None  # the stages from trainer.max_steps, the default
     method._trainer = SimpleNamespace(global_step=step, max_steps=max_steps)  # what loss reads of the Trainer
     n, seed = 8, 3
-    mean = torch.randn(n, 4, 8, 8, generator=torch.Generator().manual_seed(7))
-    batch = {"latent_mean": mean, "latent_std": torch.zeros_like(mean), "caption": ["a handwritten digit three"] * n}
-    loss = method.loss(batch, torch.Generator().manual_seed(seed))
-    loss.backward()
-    got_grad = torch.stack([method.student.w.grad, method.student.b.grad])
+    mean, batch, loss, got_grad = _loss_and_gradient(method, n, "three", seed)
 
     # by hand, drawing in the loss's order: the latent posterior's noise, t, then eps
     g = torch.Generator().manual_seed(seed)
@@ -388,11 +394,7 @@ def test_ict_loss_value_and_gradient_computed_by_hand(tiny_sd):
 
     method.ict_pairs = recorded
     n, seed = 8, 5
-    mean = torch.randn(n, 4, 8, 8, generator=torch.Generator().manual_seed(7))
-    batch = {"latent_mean": mean, "latent_std": torch.zeros_like(mean), "caption": ["a handwritten digit five"] * n}
-    loss = method.loss(batch, torch.Generator().manual_seed(seed))
-    loss.backward()
-    got_grad = torch.stack([method.student.w.grad, method.student.b.grad])
+    mean, batch, loss, got_grad = _loss_and_gradient(method, n, "five", seed)
 
     (lo, hi, _, _), state = drawn[0]
     lo, hi = lo.numpy(), hi.numpy()
