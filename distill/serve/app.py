@@ -34,7 +34,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
-from distill.serve.engine import DeadlineExceeded, Draining, Engine, QueueFull
+from distill.serve.engine import DeadlineExceeded, Draining, Engine, Job, QueueFull
+from distill.serve.jobs import add_job_routes
 from distill.serve.metrics import ServeMetrics
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
@@ -67,6 +68,11 @@ def _invalid(errors: list[tuple[str, str]]) -> JSONResponse:
         {"loc": ["body", name], "msg": message, "type": "value_error"} for name, message in errors]})
 
 
+def _draining(err: Draining) -> JSONResponse:
+    """503 while the service shuts down: another replica (or this one, restarted) can take the request."""
+    return JSONResponse(status_code=503, content={"detail": str(err)}, headers={"Retry-After": "5"})
+
+
 def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -> FastAPI:
     """The FastAPI app serving ``engine``; closing the app (lifespan end) drains the engine."""
     metrics: ServeMetrics = engine.metrics or ServeMetrics()
@@ -91,10 +97,9 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
                 "height": engine.native, "width": engine.native, "max_steps": engine.max_steps,
                 "max_batch_size": engine.max_batch_size, "vae_factor": engine.factor, "timeout_s": engine.timeout_s}
 
-    @app.post("/generate", responses={200: {"content": {"image/png": {}}}, 429: {"description": "queue full"},
-                                      503: {"description": "shutting down"}, 504: {"description": "past deadline"}})
-    async def generate(body: GenerateRequest, request: Request) -> Response:
-        """Generate one image per prompt."""
+    def admit(body: GenerateRequest) -> Job | Response:
+        """The request's job, queued in the engine, or the answer refusing it (422 naming the field, 429 with
+        Retry-After when full, 503 while draining); shared by ``/generate`` and the job routes."""
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         errors = engine.check(prompts, body.steps, body.guidance_scale, body.height, body.width, body.scheduler,
                               body.timeout_s)
@@ -106,12 +111,22 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
         job = engine.job(prompts, seed, body.steps, body.guidance_scale, body.height, body.width, body.scheduler,
                          body.timeout_s)
         try:
-            future = engine.submit(job)
+            engine.submit(job)
         except QueueFull as err:
             return answer(JSONResponse(status_code=429, content={"detail": str(err)},
                                        headers={"Retry-After": str(math.ceil(err.retry_after))}))
         except Draining as err:
-            return answer(JSONResponse(status_code=503, content={"detail": str(err)}, headers={"Retry-After": "5"}))
+            return answer(_draining(err))
+        return job
+
+    @app.post("/generate", responses={200: {"content": {"image/png": {}}}, 429: {"description": "queue full"},
+                                      503: {"description": "shutting down"}, 504: {"description": "past deadline"}})
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        """Generate one image per prompt."""
+        job = admit(body)
+        if isinstance(job, Response):
+            return job
+        future = job.future
         metrics.inflight.inc()
         waiting = asyncio.wrap_future(future)
         try:
@@ -134,7 +149,7 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
             future.cancel()
             raise
         except Draining as err:
-            return answer(JSONResponse(status_code=503, content={"detail": str(err)}, headers={"Retry-After": "5"}))
+            return answer(_draining(err))
         except Exception as err:  # noqa: BLE001 - the batch failed; the service goes on
             return answer(JSONResponse(status_code=500, content={"detail": f"{type(err).__name__}: {err}"}))
         finally:
@@ -179,4 +194,5 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
     async def unexpected(request: Request, err: Exception) -> JSONResponse:
         return answer(JSONResponse(status_code=500, content={"detail": f"{type(err).__name__}: {err}"}))
 
+    add_job_routes(app, engine, admit, answer)
     return app
