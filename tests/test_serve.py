@@ -367,8 +367,18 @@ def test_http_answers_images_health_metrics_429_and_504(http, pipe):
     assert int(response.headers["Retry-After"]) >= 1
     for future in held:
         future.result(timeout=120)
+    # work that cannot be done by the deadline at the measured rate is refused at the door, naming the deadline
     response = client.post("/generate", json={"prompt": PROMPTS[5], "steps": 100, "timeout_s": 0.05})
-    assert response.status_code == 504 and "timeout_s=0.05" in response.json()["detail"]
+    assert response.status_code == 429 and "timeout_s=0.05" in response.json()["detail"], response.text
+    # and a request that could be done in time but is held up past its deadline is cancelled with 504
+    engine._stream_step = lambda jobs: (gate.wait(60), step(jobs))
+    gate.clear()
+    try:
+        response = client.post("/generate", json={"prompt": PROMPTS[5], "steps": 1, "timeout_s": 0.5})
+    finally:
+        gate.set()
+        engine._stream_step = step
+    assert response.status_code == 504 and "timeout_s=0.5" in response.json()["detail"], response.text
 
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["mode"] == "stream"
@@ -604,3 +614,197 @@ def test_30_second_soak_has_no_error_and_flat_memory():
     assert second <= first + 32 * 2**20, (first / 2**20, second / 2**20)
     assert proc.returncode == 0
     Path(os.environ.get("SERVE_SOAK_LOG", os.devnull)).write_text(json.dumps({"requests": count[0], "rss": rss}))
+
+
+# ---------------------------------------------------------------- robustness (issue 31)
+
+def test_prompts_are_tokenised_once_with_truncation_and_never_logged(pipe, caplog):
+    """The engine's text encoding equals diffusers' encode_prompt (short prompts exactly; a long one as encode_prompt
+    truncates it), without the second full tokenisation that echoes the cut text into the log."""
+    engine = make_engine(pipe, mode="sequential")
+    try:
+        prompts = [PROMPTS[3], "seven " * 300]  # the second is far past the tokenizer's length
+        expected = pipe.encode_prompt(prompts, engine.device, 1, False)[0]  # logs the cut "seven seven ..."
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            ours = engine.embed(prompts)
+        assert torch.equal(ours, expected)
+        assert "seven" not in caplog.text
+    finally:
+        engine.close()
+
+
+def test_overlong_and_non_text_prompts_are_refused_naming_the_field(pipe):
+    engine = make_engine(pipe, mode="sequential", max_prompt_chars=50)
+    try:
+        (field, message), = engine.check(["x" * 51], None, None, None, None, None, None)
+        assert field == "prompt" and "51 characters" in message and "max_prompt_chars=50" in message
+        (field, message), = engine.check(["\ud800 seven"], None, None, None, None, None, None)
+        assert field == "prompt" and "surrogate" in message
+        assert engine.check(["x" * 50], None, None, None, None, None, None) == []
+    finally:
+        engine.close()
+
+
+def _poison(engine: Engine, marker: str = "poison"):
+    """A text encoding that gives the marker prompt NaN embeddings, and a UNet that refuses NaN conditioning:
+    a failure of the shared denoising call that one request causes."""
+    embed = engine.embed
+
+    def embedding(prompts):
+        out = embed(prompts)
+        out[[i for i, p in enumerate(prompts) if p == marker]] = float("nan")
+        return out
+
+    def refuse(module, args, kwargs):
+        if torch.isnan(kwargs["encoder_hidden_states"]).any():
+            raise FloatingPointError("NaN conditioning")
+
+    engine.embed = embedding
+    return engine.pipe.unet.register_forward_pre_hook(refuse, with_kwargs=True)
+
+
+@pytest.mark.parametrize("mode", ["batch", "stream"])
+def test_one_bad_request_fails_alone_and_its_batch_mates_get_their_images(pipe, mode, caplog):
+    """Seven requests share the denoiser's batch; one makes the shared UNet call fail. It gets the error, and the
+    six others are denoised again without it and get the images they get alone."""
+    engine = make_engine(pipe, mode=mode, max_batch_size=8, max_wait_ms=300.0)
+    hook = _poison(engine)
+    try:
+        prompts = [PROMPTS[i] for i in range(3)] + ["poison"] + [PROMPTS[i] for i in range(3, 6)]
+        futures = [engine.submit(engine.job([p], seed=i, steps=2)) for i, p in enumerate(prompts)]
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(future.result(timeout=60))
+            except FloatingPointError as err:
+                outcomes.append(err)
+    finally:
+        hook.remove()
+        engine.close(timeout=60)
+    assert isinstance(outcomes[3], FloatingPointError)
+    good = [o for i, o in enumerate(outcomes) if i != 3]
+    assert all(not isinstance(o, Exception) for o in good)
+    # they were batched with the culprit at first
+    assert any("running each alone" in r.getMessage() and len(r.args[-1]) >= 2
+               for r in caplog.records), caplog.text
+    for i, outcome in enumerate(outcomes):
+        if i != 3:
+            assert_close(pixels(outcome.png[0]), reference(pipe, prompts[i], i, steps=2))
+
+
+def test_a_stalled_stage_makes_the_engine_unhealthy_naming_it(pipe):
+    engine = make_engine(pipe, mode="stream", stall_s=0.3)
+    gate = threading.Event()
+    step = engine._stream_step
+    engine._stream_step = lambda jobs: (gate.wait(30), step(jobs))
+    try:
+        assert engine.health() == (True, None)
+        future = engine.submit(engine.job([PROMPTS[1]], seed=1, steps=2))
+        wait_for(lambda: not engine.health()[0], timeout=10)
+        ok, reason = engine.health()
+        assert "stage denoise" in reason and "stall_s=0.3" in reason
+        gate.set()
+        future.result(timeout=30)
+        assert engine.health() == (True, None)
+    finally:
+        gate.set()
+        engine.close(timeout=30)
+
+
+def test_close_settles_what_the_drain_timeout_cuts_off_as_draining(pipe):
+    from distill.serve.engine import Draining
+
+    engine = make_engine(pipe, mode="stream")
+    gate = threading.Event()
+    step = engine._stream_step
+    engine._stream_step = lambda jobs: (gate.wait(30), step(jobs))
+    future = engine.submit(engine.job([PROMPTS[1]], seed=1, steps=2))
+    start = time.monotonic()
+    closer = threading.Thread(target=lambda: engine.close(drain=True, timeout=0.3))
+    closer.start()
+    with pytest.raises(Draining):
+        future.result(timeout=10)
+    assert time.monotonic() - start < 5
+    gate.set()
+    closer.join(timeout=30)
+
+
+def test_stream_admits_a_request_of_another_size_under_steady_load(pipe):
+    """Eight clients keep the stream denoiser full of native-size requests; a request of twice the size is
+    admitted as soon as an active job leaves room (first come, first served), not when the load stops."""
+    engine = make_engine(pipe, mode="stream", max_batch_size=4, max_wait_ms=0.0, queue_size=64)
+    stop = threading.Event()
+
+    def client(i):
+        while not stop.is_set():
+            engine.submit(engine.job([PROMPTS[i]], seed=i, steps=6)).result(timeout=60)
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for thread in clients:
+        thread.start()
+    try:
+        wait_for(lambda: engine.inflight >= 6, timeout=30)
+        start = time.monotonic()
+        big = engine.submit(engine.job([PROMPTS[9]], seed=9, steps=2, height=64, width=64))
+        result = big.result(timeout=60)
+        waited = time.monotonic() - start
+        load_running = not stop.is_set()
+    finally:
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=60)
+        engine.close(timeout=60)
+    assert load_running and waited < 15, waited
+    assert_close(pixels(result.png[0]), reference_size(pipe, PROMPTS[9], 9, 2, 64))
+
+
+def reference_size(pipe, prompt, seed, steps, size) -> np.ndarray:
+    image = pipe(prompt, num_inference_steps=steps, guidance_scale=GUIDANCE, height=size, width=size,
+                 generator=torch.Generator().manual_seed(seed)).images[0]
+    return np.asarray(image.convert("RGB"))
+
+
+def test_requests_that_cannot_finish_by_their_deadline_are_refused_at_the_door(pipe):
+    """With a measured service rate, a burst larger than what the engine can do by the deadline is answered
+    QueueFull at once for the part that would expire, and (nearly) every admitted request finishes in time."""
+    engine = make_engine(pipe, mode="stream", max_batch_size=4, max_wait_ms=0.0, queue_size=200)
+    try:
+        run(engine, [engine.job([PROMPTS[i]], seed=i, steps=6) for i in range(8)])  # the rate is measured
+        assert engine.rate() is not None
+        admitted, refused = [], 0
+        for i in range(120):
+            try:
+                admitted.append(engine.submit(engine.job([PROMPTS[i % 10]], seed=i, steps=6, timeout_s=1.5)))
+            except QueueFull as err:
+                refused += 1
+                assert err.retry_after >= 1 and "timeout_s=1.5" in str(err)
+        expired = 0
+        for future in admitted:
+            try:
+                future.result(timeout=60)
+            except DeadlineExceeded:
+                expired += 1
+    finally:
+        engine.close(timeout=60)
+    assert refused > 0 and len(admitted) >= 4
+    assert expired <= 0.05 * len(admitted) + 1, (expired, len(admitted))
+
+
+def test_progress_of_a_request_is_visible_in_every_mode(pipe):
+    """Job.stage and Job.step follow the request: the denoiser's step count rises to the job's steps."""
+    for mode in ("batch", "stream"):
+        engine = make_engine(pipe, mode=mode, max_wait_ms=0.0)
+        seen: set[tuple[str, int]] = set()
+        try:
+            job = engine.job([PROMPTS[2]], seed=2, steps=5)
+            future = engine.submit(job)
+            while not future.done():
+                seen.add((job.stage, job.step))
+                time.sleep(0.001)
+            future.result()
+        finally:
+            engine.close(timeout=30)
+        assert job.stage == "done" and job.step == 5
+        steps = sorted(step for stage, step in seen if stage == "denoise")
+        assert len(set(steps)) >= 3, (mode, seen)  # watched mid-way through the steps

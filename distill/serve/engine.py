@@ -36,6 +36,7 @@ import inspect
 import io
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -52,10 +53,12 @@ STAGES = ("encode", "denoise", "decode")
 
 
 class QueueFull(RuntimeError):
-    """The engine holds ``queue_size`` jobs: retry after ``retry_after`` seconds."""
+    """The engine holds ``queue_size`` jobs, or more work than it can finish before the request's deadline: retry
+    after ``retry_after`` seconds."""
 
-    def __init__(self, depth: int, retry_after: float):
-        super().__init__(f"{depth} requests are held (engine.queue_size); retry after {retry_after:.0f} s")
+    def __init__(self, depth: int, retry_after: float, reason: str | None = None):
+        reason = reason or f"{depth} requests are held (engine.queue_size)"
+        super().__init__(f"{reason}; retry after {math.ceil(retry_after)} s")
         self.retry_after = retry_after
 
 
@@ -96,10 +99,28 @@ class Job:
     step_kwargs: dict = field(default_factory=dict)
     cond: torch.Tensor | None = None
     png: list[bytes] = field(default_factory=list)
+    stage: str = "queued"  # queued, then each of STAGES while in it, then done
+    rows: int = 1  # UNet rows per image and step (2 with classifier-free guidance)
+    calls: int = 0  # UNet calls of the trajectory (steps, or more for a second-order scheduler); index counts them
 
     @property
     def n(self) -> int:
         return len(self.prompts)
+
+    @property
+    def step(self) -> int:
+        """Denoising steps done, of ``steps``."""
+        return self.index * self.steps // max(self.calls or self.steps, 1)
+
+    def work(self, total: bool = False) -> int:
+        """What is left of the job (``total``: all of it) in UNet rows, the unit of the engine's service rate: a row
+        per image and call (two with guidance), and one per image for its encoding and decoding."""
+        calls = self.calls or self.steps
+        if total:
+            return self.n * (self.rows * calls + 1)
+        if self.stage == "done":
+            return 0
+        return self.n * (self.rows * max(calls - self.index, 0) + (self.stage != "decode"))
 
     def batch_key(self) -> tuple:
         """Jobs with equal keys can share one pipeline call."""
@@ -121,6 +142,15 @@ class Result:
     latency_s: float
     timings: dict
     batch_sizes: dict
+
+
+def _is_text(prompt: str) -> bool:
+    """Whether ``prompt`` is encodable text (JSON's \\ud800 escapes decode to lone surrogates, which are not)."""
+    try:
+        prompt.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _settle(job: Job, result=None, error: BaseException | None = None) -> bool:
@@ -190,7 +220,10 @@ class Engine:
     ``queue_size``: jobs held at once (waiting or in a stage) before :meth:`submit` raises :class:`QueueFull`;
     ``stage_queue_size``:
     batches between two stages; ``timeout_s``: a request's deadline unless it sets its own; ``max_steps``:
-    the largest step count a request may ask for. ``scheduler``, ``steps`` and ``guidance_scale`` are the
+    the largest step count a request may ask for; ``max_prompt_chars``: the longest prompt, in characters (checked
+    before any tokenisation; the tokenizer then truncates to the text encoder's length); ``stall_s``: how long a
+    stage may go without progress (a denoising step, a finished batch) before :meth:`health` reports it.
+    ``scheduler``, ``steps`` and ``guidance_scale`` are the
     defaults of a request that leaves them out (the entry point takes them from the export's distill.json;
     ``scheduler=None``: the pipeline's own); ``own_scheduler`` is the name the export's own scheduler answers to
     (its class and config are kept for it, e.g. a progressive student's grid DDIM); ``scheduler_options`` maps a
@@ -203,17 +236,19 @@ class Engine:
                  own_scheduler: str | None = None, scheduler_options: dict[str, dict] | None = None,
                  mode: str = "stream", max_batch_size: int = 8,
                  max_wait_ms: float = 10.0, queue_size: int = 64, stage_queue_size: int = 2, timeout_s: float = 120.0,
-                 max_steps: int = 100, accelerator=None, metrics=None):
+                 max_steps: int = 100, max_prompt_chars: int = 2000, stall_s: float = 60.0, accelerator=None,
+                 metrics=None):
         from distill.inference.schedulers import SCHEDULERS
 
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is unknown; use one of {list(MODES)}")
         for name, value, low in (("max_batch_size", max_batch_size, 1), ("queue_size", queue_size, 1),
-                                 ("stage_queue_size", stage_queue_size, 1), ("max_steps", max_steps, 1)):
+                                 ("stage_queue_size", stage_queue_size, 1), ("max_steps", max_steps, 1),
+                                 ("max_prompt_chars", max_prompt_chars, 1)):
             if value < low:
                 raise ValueError(f"{name}={value} must be >= {low}")
-        if max_wait_ms < 0 or timeout_s <= 0:
-            raise ValueError(f"max_wait_ms={max_wait_ms} must be >= 0 and timeout_s={timeout_s} > 0")
+        if max_wait_ms < 0 or timeout_s <= 0 or stall_s <= 0:
+            raise ValueError(f"max_wait_ms={max_wait_ms} must be >= 0, timeout_s={timeout_s} and stall_s={stall_s} > 0")
         if scheduler is not None and scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={scheduler!r} is unknown; use one of {sorted(SCHEDULERS)}")
         if not 1 <= steps <= max_steps:
@@ -231,6 +266,7 @@ class Engine:
         self.pipe, self.mode = pipe, mode
         self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1e3
         self.timeout_s, self.max_steps = timeout_s, max_steps
+        self.max_prompt_chars, self.stall_s = max_prompt_chars, stall_s
         self.default_scheduler, self.default_steps, self.default_guidance = scheduler, steps, guidance_scale
         self.own_name = own_scheduler
         self.scheduler_options = dict(scheduler_options or {})
@@ -254,8 +290,11 @@ class Engine:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.ids = itertools.count(1)
-        self.seconds_per_image = 0.0  # running estimate of 1 / throughput, for Retry-After
+        # the service rate: (UNet rows of the jobs finished, seconds the engine held work) between finishes
+        self._served: deque[tuple[int, float]] = deque(maxlen=32)
         self._last_finish = 0.0
+        self._busy_since = 0.0  # when the engine last went from holding nothing to holding a job
+        self._working: dict[str, float] = {}  # stage -> when its current call last made progress
         with torch.no_grad():  # the unconditional embedding of classifier-free guidance, once
             self.null_embeds = pipe.encode_prompt([""], self.device, 1, False)[0]
         self.threads: list[threading.Thread] = []
@@ -284,6 +323,12 @@ class Engine:
             errors.append(("prompt", "give a prompt (a non-empty string or list of strings)"))
         elif any(not isinstance(p, str) or not p.strip() for p in prompts):
             errors.append(("prompt", "every prompt must be a non-empty string"))
+        elif any(len(p) > self.max_prompt_chars for p in prompts):
+            longest = max(len(p) for p in prompts)
+            errors.append(("prompt", f"a prompt of {longest} characters: at most engine.max_prompt_chars="
+                                     f"{self.max_prompt_chars}"))
+        elif not all(_is_text(p) for p in prompts):
+            errors.append(("prompt", "a prompt holds a lone surrogate (e.g. \\ud800), which is not text: send UTF-8"))
         elif len(prompts) > self.max_batch_size:
             errors.append(("prompt", f"{len(prompts)} prompts: at most max_batch_size={self.max_batch_size} a request"))
         if steps is not None and not 1 <= steps <= self.max_steps:
@@ -328,23 +373,35 @@ class Engine:
         if errors:
             raise ValueError("; ".join(message for _, message in errors))
         scheduler = scheduler or self.default_scheduler
-        return Job(list(prompts), [seed + i for i in range(len(prompts))], steps or self.default_steps,
-                   self.default_guidance if guidance_scale is None else float(guidance_scale),
+        guidance = self.default_guidance if guidance_scale is None else float(guidance_scale)
+        return Job(list(prompts), [seed + i for i in range(len(prompts))], steps or self.default_steps, guidance,
                    height or self.native, width or self.native, None if scheduler == self.own_name else scheduler,
-                   timeout_s or self.timeout_s)
+                   timeout_s or self.timeout_s, rows=2 if self.needs_cfg(guidance) else 1)
 
     def submit(self, job: Job) -> Future:
         """Queue ``job``; its future resolves to a :class:`Result`, or raises :class:`DeadlineExceeded` (or the
-        error of its batch). Raises :class:`QueueFull` or :class:`Draining` at once."""
+        error of its batch). Raises :class:`QueueFull` or :class:`Draining` at once: QueueFull also when the work
+        held before it and its own cannot be done by its deadline at the measured service rate (:meth:`rate`), so
+        that what would expire inside the stages is refused at the door instead."""
+        timeout = job.timeout_s or self.timeout_s
         with self.lock:  # against close(): a job is either refused or counted before the drain waits
             if not self.accepting:
                 raise Draining("the service is shutting down")
             if self.inflight >= self.queue_size:  # admission control: waiting and in a stage count alike
                 raise QueueFull(self.inflight, self.retry_after())
+            rate = self.rate()
+            if rate is not None:
+                backlog = sum(held.work() for held in self.jobs) + job.work()
+                if backlog / rate > timeout:
+                    raise QueueFull(self.inflight, max(1.0, backlog / rate - timeout), (
+                        f"the {self.inflight} requests held and this one need {backlog / rate:.1f} s at the measured "
+                        f"{rate:.0f} UNet rows/s, more than its timeout_s={timeout:g}"))
+            if self.inflight == 0:
+                self._busy_since = time.monotonic()
             self.inflight += 1
             self.jobs.add(job)
         job.id, job.submitted = next(self.ids), time.monotonic()
-        job.deadline = job.submitted + (job.timeout_s or self.timeout_s)
+        job.deadline = job.submitted + timeout
         job.future.add_done_callback(lambda _: self._done(job))
         try:
             self.queue.put(job, self.retry_after())
@@ -355,10 +412,19 @@ class Engine:
             self.metrics.queue_depth.set(len(self.queue))
         return job.future
 
+    def rate(self) -> float | None:
+        """The measured service rate in UNet rows (:meth:`Job.work`) per second the engine held work, over its
+        last 32 finished batches; None before 4 of them."""
+        if len(self._served) < 4:
+            return None
+        work, seconds = (sum(column) for column in zip(*self._served))
+        return work / seconds if seconds > 0 else None
+
     def retry_after(self) -> float:
-        """Seconds until the queue has room for a request: the time the engine takes for a batch of images,
-        from the recent throughput (at least 1)."""
-        return max(1.0, self.max_batch_size * self.seconds_per_image)
+        """Seconds until the queue has room for a request: the time the engine takes for a batch of one-step
+        images at the measured rate (at least 1)."""
+        rate = self.rate()
+        return 1.0 if rate is None else max(1.0, self.max_batch_size * self.default_steps / rate)
 
     def _done(self, job: Job) -> None:
         with self.lock:
@@ -366,17 +432,20 @@ class Engine:
             self.jobs.discard(job)
             self.idle.notify_all()
 
-    def close(self, drain: bool = True, timeout: float | None = None) -> bool:
-        """Stop taking jobs; with ``drain``, finish the ones held (at most ``timeout`` seconds), else cancel them.
-        True when every job was settled."""
+    def begin_drain(self) -> None:
+        """Stop taking jobs (:meth:`submit` raises :class:`Draining`); the ones held go on."""
         with self.lock:
             self.accepting = False
-            held = list(self.jobs)
-        if not drain:
-            for job in held:
-                _settle(job, error=Draining("the service stopped before this request finished"))
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> bool:
+        """Stop taking jobs; with ``drain``, finish the ones held in at most ``timeout`` seconds, then settle what
+        is left with :class:`Draining` (as without ``drain`` at once). True when every job finished in time."""
+        self.begin_drain()
         with self.lock:
-            settled = self.idle.wait_for(lambda: self.inflight == 0, timeout)
+            settled = not drain or self.idle.wait_for(lambda: self.inflight == 0, timeout)
+            held = list(self.jobs)
+        for job in held:
+            _settle(job, error=Draining(f"the service stopped before request {job.id} finished"))
         self.stop.set()
         for thread in self.threads:
             thread.join(timeout=30)
@@ -391,9 +460,20 @@ class Engine:
         self.pipe.scheduler = cls.from_config(config)  # as it was before any request chose another
         return settled
 
+    def health(self) -> tuple[bool, str | None]:
+        """(True, None) when every stage thread runs and none has gone ``stall_s`` seconds without progress;
+        else (False, what is wrong, naming the stage)."""
+        for thread in self.threads:
+            if not thread.is_alive():
+                return False, f"stage thread {thread.name} stopped"
+        now = time.monotonic()
+        for stage, since in list(self._working.items()):
+            if now - since > self.stall_s:
+                return False, f"stage {stage} has made no progress for {now - since:.0f} s (engine.stall_s={self.stall_s:g})"
+        return True, None
+
     def healthy(self) -> bool:
-        """Every stage thread is running (a stage that died would leave requests to time out)."""
-        return all(thread.is_alive() for thread in self.threads)
+        return self.health()[0]
 
     # ---------------------------------------------------------------- stages
 
@@ -432,18 +512,28 @@ class Engine:
                 out.append(job)
         return out
 
-    def _timed(self, stage: str, jobs: list[Job], fn: Callable[[list[Job]], None]) -> bool:
-        """Run stage ``fn`` on ``jobs`` (on its own CUDA stream on a GPU); False when it failed (each job then
-        carries the error)."""
+    def _timed(self, stage: str, jobs: list[Job], fn: Callable[[list[Job]], None]) -> list[Job]:
+        """Run stage ``fn`` on ``jobs`` (on its own CUDA stream on a GPU); the jobs it worked for. When a batch
+        fails, each of its jobs is run again alone, so that only the one that fails alone carries the error."""
+        if not jobs:
+            return []
+        for job in jobs:
+            job.stage = stage
         start = time.perf_counter()
+        self._working[stage] = time.monotonic()
         try:
             with self._stream(stage):
                 fn(jobs)
         except Exception as err:  # noqa: BLE001 - a failed batch fails its requests, never the service
-            log.exception("%s failed for requests %s", stage, [j.id for j in jobs])
-            for job in jobs:
-                _settle(job, error=err)
-            return False
+            if len(jobs) == 1:
+                log.exception("%s failed for request %s", stage, jobs[0].id)
+                _settle(jobs[0], error=err)
+                return []
+            log.warning("%s failed (%s) for the batch of requests %s; running each alone", stage,
+                        type(err).__name__, [j.id for j in jobs])
+            return [job for job in jobs if self._timed(stage, [job], fn)]
+        finally:
+            self._working.pop(stage, None)
         seconds = time.perf_counter() - start
         images = sum(j.n for j in jobs)
         for job in jobs:
@@ -452,7 +542,7 @@ class Engine:
         if self.metrics is not None:
             self.metrics.stage_seconds.labels(stage).observe(seconds)
             self.metrics.batch_size.labels(stage).observe(images)
-        return True
+        return jobs
 
     @contextlib.contextmanager
     def _stream(self, stage: str):
@@ -487,7 +577,8 @@ class Engine:
 
             def run(jobs=jobs):
                 for stage, fn in (("encode", self._encode), ("denoise", self._denoise), ("decode", self._decode)):
-                    if not jobs or not self._timed(stage, jobs, fn):
+                    jobs = self._timed(stage, jobs, fn)
+                    if not jobs:
                         return
                     if stage == "decode":
                         self._finish(jobs)
@@ -504,30 +595,42 @@ class Engine:
                     out.put(None)
                     return
                 continue
-            if self._timed("encode", jobs, self._encode):
+            if jobs := self._timed("encode", jobs, self._encode):
                 out.put(jobs)
 
     def _denoiser(self, inp, out) -> None:
         while (jobs := inp.get()) is not None:
-            jobs = self._live(jobs)
-            if jobs and self._timed("denoise", jobs, self._denoise):
+            if jobs := self._timed("denoise", self._live(jobs), self._denoise):
                 out.put(jobs)
         out.put(None)
 
     def _decoder(self, inp) -> None:
         while (jobs := inp.get()) is not None:
-            jobs = self._live(jobs)  # a request that gave up is not decoded
-            if jobs and self._timed("decode", jobs, self._decode):
+            # a request that gave up is not decoded
+            if jobs := self._timed("decode", self._live(jobs), self._decode):
                 self._guarded(jobs, lambda jobs=jobs: self._finish(jobs))
 
     # ---------------------------------------------------------------- the work of each stage
 
     @torch.no_grad()
     def _encode(self, jobs: list[Job]) -> None:
-        prompts = [p for job in jobs for p in job.prompts]
-        embeds = self.pipe.encode_prompt(prompts, self.device, 1, False)[0]
+        embeds = self.embed([prompt for job in jobs for prompt in job.prompts])
         for job, part in zip(jobs, embeds.split([j.n for j in jobs])):
             job.embeds = part
+
+    def embed(self, prompts: list[str]) -> torch.Tensor:
+        """The prompts' text embeddings, as ``pipe.encode_prompt`` makes them without guidance, except that the
+        prompts are tokenised once, with truncation: ``encode_prompt`` tokenises each prompt a second time in full
+        to log what truncation removed, which echoes the prompt into the log and takes seconds for a long one."""
+        pipe = self.pipe
+        if hasattr(pipe, "maybe_convert_prompt"):  # textual-inversion tokens, as encode_prompt expands them
+            prompts = pipe.maybe_convert_prompt(prompts, pipe.tokenizer)
+        tokens = pipe.tokenizer(prompts, padding="max_length", max_length=pipe.tokenizer.model_max_length,
+                                truncation=True, return_tensors="pt")
+        encoder = pipe.text_encoder
+        mask = tokens.attention_mask.to(self.device) if getattr(encoder.config, "use_attention_mask", False) else None
+        embeds = encoder(tokens.input_ids.to(self.device), attention_mask=mask)[0]
+        return embeds.to(dtype=encoder.dtype, device=self.device)
 
     def scheduler_for(self, name: str | None):
         """A fresh scheduler: the pipeline's own class and config for ``None`` (or the export's own name),
@@ -555,9 +658,17 @@ class Engine:
             self.accelerator.use_scheduler(first.scheduler or self.own_name or "own", first.guidance_scale)
             self.accelerator.use_prompts([p for job in jobs for p in job.prompts])
             self.accelerator.use_labels(None)
+
+        def progress(pipe, i, t, tensors):  # each step: the jobs' progress, and the stage's heartbeat
+            for job in jobs:
+                job.calls, job.index = pipe.num_timesteps, i + 1
+            self._working["denoise"] = time.monotonic()
+            return tensors
+
         latents = pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, num_inference_steps=first.steps,
                        guidance_scale=first.guidance_scale, height=first.height, width=first.width,
-                       generator=self._generators(jobs), output_type="latent").images
+                       generator=self._generators(jobs), output_type="latent", callback_on_step_end=progress,
+                       callback_on_step_end_tensor_inputs=[]).images
         for job, part in zip(jobs, latents.split([j.n for j in jobs])):
             job.latents = part
 
@@ -583,7 +694,13 @@ class Engine:
 
     def _finish(self, jobs: list[Job]) -> None:
         now = time.monotonic()
+        # the service rate: these jobs' work over the time the engine held work since the previous finish
+        with self.lock:
+            busy = now - max(self._last_finish, self._busy_since)
+            self._last_finish = now
+        self._served.append((sum(job.work(total=True) for job in jobs), busy))
         for job in jobs:
+            job.stage = "done"
             settled = _settle(job, Result(job.png, job.seeds, now - job.submitted, dict(job.timings),
                                           dict(job.batch_sizes)))
             if self.metrics is not None:
@@ -591,11 +708,6 @@ class Engine:
                     self.metrics.completed(job.n, now - job.submitted)
                 else:
                     self.metrics.dropped.inc()
-        # throughput: seconds between finished images (a running mean), or one batch's time at the start
-        last, self._last_finish = self._last_finish, now
-        images = sum(job.n for job in jobs)
-        per_image = (now - last if last else sum(jobs[0].timings.values())) / images
-        self.seconds_per_image = 0.8 * self.seconds_per_image + 0.2 * per_image if self.seconds_per_image else per_image
 
     # ---------------------------------------------------------------- stream batching
 
@@ -609,6 +721,7 @@ class Engine:
         job.sched = self.scheduler_for(job.scheduler)
         job.sched.set_timesteps(job.steps, device=self.device)
         job.timesteps, job.index = job.sched.timesteps, 0
+        job.calls = len(job.timesteps)
         gens = self._generators([job])
         c = pipe.unet.config
         shape = (job.n, c.in_channels, job.height // self.factor, job.width // self.factor)
@@ -627,7 +740,11 @@ class Engine:
 
     def _stream_denoiser(self, inp, out) -> None:
         """Continuous batching of denoising steps: admit encoded jobs while there is room, advance every
-        active job by one step in one UNet call, pass finished jobs to the decoder."""
+        active job by one step (one UNet call per image size among them), pass finished jobs to the decoder.
+
+        Admission is first come, first served whatever a job's size, steps, guidance or scheduler: the oldest
+        waiting job is admitted as soon as the active jobs leave room for its images, and no younger job
+        overtakes it, so it waits at most until enough of the active jobs finish (at most ``max_steps`` calls)."""
         active: list[Job] = []
         waiting: deque[Job] = deque()
         upstream_done = False
@@ -644,20 +761,15 @@ class Engine:
                     break
                 waiting.extend(jobs)
             images = sum(j.n for j in active)
-            size = active[0].size_key() if active else None
             admitted = []
-            for job in list(waiting):
-                if images + job.n > self.max_batch_size:
-                    break  # arrival order: a large job is not overtaken forever
-                if size is None or job.size_key() == size:
-                    waiting.remove(job)
-                    admitted.append(job)
-                    images += job.n
-                    size = job.size_key()
+            while waiting and images + waiting[0].n <= self.max_batch_size:
+                admitted.append(waiting.popleft())
+                images += admitted[-1].n
             for job in self._live(admitted):
                 try:
                     with self._stream("denoise"):  # the stream the steps run on
                         self._prepare(job)
+                    job.stage = "denoise"
                     active.append(job)
                 except Exception as err:  # noqa: BLE001
                     log.exception("request %s could not start", job.id)
@@ -668,9 +780,9 @@ class Engine:
                     out.put(None)
                     return
                 continue
-            if not self._timed("denoise", active, self._stream_step):
-                active = []
-                continue
+            # a job whose step failed is settled already; a cancelled one is dropped (and counted) by _live
+            active = [job for job in self._timed("denoise", active, self._stream_step)
+                      if job.future.cancelled() or not job.future.done()]
             finished = [job for job in active if job.index >= len(job.timesteps)]
             active = [job for job in active if job.index < len(job.timesteps)]
             if finished:
@@ -678,7 +790,42 @@ class Engine:
 
     @torch.no_grad()
     def _stream_step(self, jobs: list[Job]) -> None:
-        """One UNet call that advances each job by one step of its own scheduler."""
+        """Advance each job by one step of its own scheduler: one UNet call per image size among them. A UNet
+        call that fails is made again for each of its jobs alone, and a scheduler step that fails fails its job
+        alone, so that one bad job never fails the others (a job's state changes only once its step is done)."""
+        groups: dict[tuple, list[Job]] = {}
+        for job in jobs:
+            groups.setdefault(job.size_key(), []).append(job)
+        for group in groups.values():
+            try:
+                predictions = self._stream_unet(group)
+            except Exception as err:  # noqa: BLE001 - retried one by one below
+                if len(group) == 1:
+                    log.exception("denoising failed for request %s", group[0].id)
+                    _settle(group[0], error=err)
+                    continue
+                log.warning("a denoising call failed for requests %s; running each alone", [j.id for j in group])
+                predictions = []
+                for job in group:
+                    try:
+                        predictions += self._stream_unet([job])
+                    except Exception as err:  # noqa: BLE001
+                        log.exception("denoising failed for request %s", job.id)
+                        _settle(job, error=err)
+                        predictions.append(None)
+            for job, pred in zip(group, predictions):
+                if pred is None:
+                    continue
+                try:
+                    t = job.timesteps[job.index]
+                    job.latents = job.sched.step(pred, t, job.latents, **job.step_kwargs, return_dict=False)[0]
+                    job.index += 1
+                except Exception as err:  # noqa: BLE001
+                    log.exception("a scheduler step failed for request %s", job.id)
+                    _settle(job, error=err)
+
+    def _stream_unet(self, jobs: list[Job]) -> list[torch.Tensor]:
+        """The guided noise prediction of each job (of one image size) at its current step, in one UNet call."""
         xs, ts, embeds, conds = [], [], [], []
         for job in jobs:
             t = job.timesteps[job.index]
@@ -694,10 +841,10 @@ class Engine:
         t_all = torch.cat([t.float() for t in ts]) if len(dtypes) > 1 else torch.cat(ts)
         out = self.pipe.unet(torch.cat(xs), t_all, encoder_hidden_states=torch.cat(embeds),
                              timestep_cond=torch.cat(conds) if conds else None, return_dict=False)[0]
+        predictions = []
         for job, pred in zip(jobs, out.split([len(x) for x in xs])):
             if job.cfg:
                 uncond, text = pred.chunk(2)
                 pred = uncond + job.guidance_scale * (text - uncond)
-            t = job.timesteps[job.index]
-            job.latents = job.sched.step(pred, t, job.latents, **job.step_kwargs, return_dict=False)[0]
-            job.index += 1
+            predictions.append(pred)
+        return predictions
