@@ -25,3 +25,18 @@ def test_quick_load_test_answers_every_request(tmp_path):
     assert cells[("stream", 2)]["speedup"] > 0 and cells[("sequential", 1)]["speedup"] == 1
     assert [s["exit_code"] for s in data["servers"]] == [0, 0]  # SIGTERM drains, then exits 0
     assert "| teacher | stream | 2 |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow  # about 20 s
+def test_quick_mixed_traffic_run_reports_every_class(tmp_path):
+    from bench import serve_mixed
+
+    out = tmp_path / "mixed.json"
+    serve_mixed.main(["--pipeline", "teacher", "--quick", "--classes", "short=1", "long=4:ddim", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert {r["mode"] for r in data["rows"]} == {"batch", "stream"}
+    for row in data["rows"]:
+        assert row["errors"] == 0 and row["images_per_s"] > 0
+        for name in ("short", "long"):
+            assert 0 < row["classes"][name]["p50_ms"] <= row["classes"][name]["p95_ms"]
+    assert "stream" in data["verdict"] and "| 4 | stream |" in out.with_suffix(".md").read_text()
