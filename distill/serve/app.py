@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from distill.serve.engine import DeadlineExceeded, Draining, Engine, Job, QueueFull
-from distill.serve.jobs import add_job_routes
+from distill.serve.jobs import add_docs, add_job_routes
 from distill.serve.metrics import ServeMetrics
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
@@ -83,7 +83,7 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
         yield
         await asyncio.to_thread(engine.close, True, drain_timeout_s)
 
-    app = FastAPI(title="distill.serve", version="1", lifespan=lifespan,
+    app = FastAPI(title="distill.serve", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,  # add_docs
                   description=f"Text-to-image generation with {model or 'a diffusion pipeline'} "
                               f"({engine.mode} mode)")
 
@@ -179,8 +179,10 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def playground() -> HTMLResponse:
+        from distill.inference.schedulers import SCHEDULERS
+
         page = PLAYGROUND.read_text()
-        for key, value in {**defaults(), "model": model}.items():
+        for key, value in {**defaults(), "model": model, "schedulers": " ".join(sorted(SCHEDULERS))}.items():
             page = page.replace("{{" + key + "}}", html.escape(str(value)))
         return HTMLResponse(page)
 
@@ -194,5 +196,6 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
     async def unexpected(request: Request, err: Exception) -> JSONResponse:
         return answer(JSONResponse(status_code=500, content={"detail": f"{type(err).__name__}: {err}"}))
 
-    add_job_routes(app, engine, admit, answer)
+    add_job_routes(app, engine, admit, answer, defaults()["scheduler"])
+    add_docs(app)
     return app

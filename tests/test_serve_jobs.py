@@ -1,0 +1,192 @@
+"""distill.serve's job-id routes (issue 31, item 7) and its offline /docs page, through Starlette's test client.
+
+POST /jobs answers 202 and an id at once; GET /jobs/{id} reports the stage and the denoising step while the
+engine works (the denoiser is held at a chosen step, so the reading is exact, not a race), then /generate's own
+answer for the same seed; DELETE stops the job inside the denoiser; an unknown or forgotten id is a 404 naming it.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from distill.assets import asset_path
+from distill.serve.engine import Job
+
+STEPS = 12
+PROMPT = "a handwritten digit three"
+
+
+@pytest.fixture(scope="module")
+def http():
+    from fastapi.testclient import TestClient
+
+    from distill.inference.loading import load_pipeline
+    from distill.serve.app import create_app
+    from distill.serve.engine import Engine
+    from distill.serve.metrics import ServeMetrics
+
+    pipe = load_pipeline(str(asset_path("teacher")))
+    engine = Engine(pipe, steps=4, guidance_scale=3.0, own_scheduler="ddim", mode="stream", max_wait_ms=0.0,
+                    metrics=ServeMetrics())
+    with TestClient(create_app(engine, "digits-teacher")) as client:
+        yield client, engine
+
+
+class Hold:
+    """Holds the stream denoiser before the call that would take a job past ``step`` steps, until released."""
+
+    def __init__(self, engine, step: int):
+        self.engine, self.step, self.reached, self.go = engine, step, threading.Event(), threading.Event()
+        self.calls: list[int] = []  # the step index of each denoiser call
+
+    def __enter__(self):
+        inner = self.engine._stream_step
+
+        def held(jobs):
+            if any(job.index == self.step for job in jobs):
+                self.reached.set()
+                self.go.wait(60)
+            self.calls.extend(job.index for job in jobs)
+            inner(jobs)
+
+        self.inner, self.engine._stream_step = inner, held
+        return self
+
+    def __exit__(self, *exc):
+        self.go.set()
+        self.engine._stream_step = self.inner
+
+
+def wait_job(client, url: str, timeout: float = 60.0):
+    """GET ``url`` until the job is no longer queued or running; the last answer."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        response = client.get(url)
+        if response.json().get("status") not in ("queued", "running"):
+            return response
+        time.sleep(0.02)
+    raise AssertionError(f"{url} still {response.json()} after {timeout} s")
+
+
+def test_a_job_shows_its_step_then_answers_generates_image(http):
+    from distill.serve.client import parse_metrics
+
+    client, engine = http
+    request = {"prompt": PROMPT, "seed": 31, "steps": STEPS}
+    with Hold(engine, 5) as hold:
+        submitted = client.post("/jobs", json=request)
+        assert submitted.status_code == 202, submitted.text
+        key, url = submitted.json()["id"], submitted.json()["status_url"]
+        assert url == f"/jobs/{key}" and submitted.headers["Location"] == url
+        assert len(key) >= 22 and re.fullmatch(r"[A-Za-z0-9_-]+", key)  # 128 random bits, not a counter
+        assert hold.reached.wait(60)
+        state = client.get(url)
+        assert state.status_code == 200
+        body = state.json()
+        assert body["status"] == "running" and body["stage"] == "denoise"
+        assert (body["step"], body["steps"]) == (5, STEPS) and body["elapsed_s"] > 0
+        assert "result" not in body
+        hold.go.set()
+        done = wait_job(client, url)
+    assert done.status_code == 200
+    body = done.json()
+    assert body["status"] == "done" and body["stage"] == "done" and (body["step"], body["steps"]) == (STEPS, STEPS)
+    assert hold.calls == list(range(STEPS))  # one denoiser call a step, none skipped or repeated
+    result = body["result"]
+    direct = client.post("/generate", json=request).json()
+    assert set(result) == set(direct) and result["seeds"] == direct["seeds"] == [31]
+    assert {k: result[k] for k in ("steps", "guidance_scale", "height", "width", "scheduler")} == \
+        {k: direct[k] for k in ("steps", "guidance_scale", "height", "width", "scheduler")}
+    ours, theirs = (np.asarray(_image(r["images"][0]), dtype=int) for r in (result, direct))
+    assert np.abs(ours - theirs).max() <= 1 and ours.std() > 0
+    assert client.get(url).json()["result"]["images"] == result["images"]  # kept for the owner to fetch again
+    metrics = parse_metrics(client.get("/metrics").text)
+    assert metrics['distill_serve_requests_total{code="202"}'] >= 1
+
+
+def _image(b64: str):
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")
+
+
+def test_delete_cancels_a_job_inside_the_denoiser(http):
+    client, engine = http
+    with Hold(engine, 3) as hold:
+        key = client.post("/jobs", json={"prompt": PROMPT, "steps": STEPS}).json()["id"]
+        assert hold.reached.wait(60)
+        cancelled = client.delete(f"/jobs/{key}")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        hold.go.set()
+        deadline = time.monotonic() + 30
+        while engine.inflight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.inflight == 0
+    body = client.get(f"/jobs/{key}").json()
+    # the step under way when it was cancelled may end; no other is taken
+    assert body["status"] == "cancelled" and 3 <= body["step"] <= 4 and "result" not in body
+    assert hold.calls == [0, 1, 2, 3], "the denoiser went on with a cancelled job"
+    assert client.delete(f"/jobs/{key}").json()["status"] == "cancelled"  # again: nothing changes
+
+
+def test_a_job_past_its_deadline_is_a_504_and_refusals_are_generates(http):
+    client, engine = http
+    with Hold(engine, 1):
+        key = client.post("/jobs", json={"prompt": PROMPT, "steps": STEPS, "timeout_s": 0.3}).json()["id"]
+        time.sleep(0.4)
+        late = client.get(f"/jobs/{key}")
+    assert late.status_code == 504, late.text
+    assert late.json()["status"] == "failed" and "timeout_s=0.3" in late.json()["detail"]
+    for body, field in (({"prompt": PROMPT, "steps": 0}, "steps"), ({"prompt": PROMPT, "format": "png"}, "format"),
+                        ({"prompt": PROMPT, "stepz": 2}, "stepz")):
+        refused = client.post("/jobs", json=body)
+        assert refused.status_code == 422 and field in [e["loc"][-1] for e in refused.json()["detail"]], refused.text
+
+
+def test_an_unknown_id_is_a_404_naming_it(http):
+    client, _ = http
+    for method in (client.get, client.delete):
+        response = method("/jobs/no-such-job")
+        assert response.status_code == 404 and "'no-such-job'" in response.json()["detail"]
+
+
+def test_the_store_forgets_finished_jobs_by_age_and_count():
+    from distill.serve.jobs import JobStore
+
+    store = JobStore(ttl_s=0.2, max_finished=2)
+
+    def job() -> Job:
+        return Job(["a"], [0], 1, 1.0, 32, 32, future=Future(), submitted=time.monotonic())
+
+    jobs = [job() for _ in range(4)]
+    keys = [store.add(j) for j in jobs]
+    assert len(set(keys)) == 4
+    for j in jobs[:3]:
+        j.future.set_result(None)
+    assert store.get(keys[0]) is None  # three finished, two kept: the oldest goes
+    assert store.get(keys[1]) is not None and store.get(keys[3]) is not None
+    time.sleep(0.25)
+    assert store.get(keys[1]) is None and store.get(keys[2]) is None
+    assert store.get(keys[3]) is not None, "an unfinished job is never forgotten"
+
+
+def test_docs_are_served_from_local_assets(http):
+    client, _ = http
+    page = client.get("/docs")
+    assert page.status_code == 200 and "swagger-ui" in page.text
+    urls = re.findall(r"""(?:src|href|url)\s*[=:]\s*['"]([^'"]+)['"]""", page.text)
+    assert len(urls) >= 3, urls
+    assert not re.search(r"https?://", page.text), "the docs page loads something from another host"
+    for url in urls:
+        asset = client.get(url)
+        assert asset.status_code == 200 and len(asset.content) > 1000, url
+    assert client.get("/redoc").status_code == 404  # FastAPI's CDN page is gone, not left blank
