@@ -312,6 +312,13 @@ class ServeConfig:
     dtype: str = "float32"  # float32, float16 or bfloat16
     threads: int | None = None  # torch intra-op threads; default: torch's
     drain_timeout_s: float = 150.0  # on SIGTERM: how long requests in flight may take (> engine.timeout_s)
+    max_body_bytes: int = 2**20  # a larger request body is answered 413 before it is read in full
+    # access control (distill.serve.app): the bearer token every route but /health, / and /docs needs; default: the
+    # environment variable DISTILL_SERVE_API_KEY (so that the key is not on the command line), else none
+    api_key: str | None = "${oc.env:DISTILL_SERVE_API_KEY,null}"
+    allowed_hosts: list[str] | None = None  # Host header names served (any port); default: loopback names on loopback
+    cors_origins: list[str] = field(default_factory=list)  # origins browsers may call from; default: none (no CORS)
+    insecure: bool = False  # serve a non-loopback host without api_key (refused unless set)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

@@ -7,7 +7,17 @@ Endpoints: ``POST /generate`` (JSON: prompt or prompts, steps, guidance_scale, s
 format ``base64`` (JSON with base64 PNGs) or ``png`` (the image itself), timeout_s), ``GET /health``,
 ``GET /metrics`` (Prometheus text), ``GET /docs`` and ``/openapi.json`` (OpenAPI), ``GET /`` (a playground
 page). A full queue answers 429 with Retry-After, a request past its deadline 504, a bad value 422 naming the
-field; SIGTERM stops accepting, finishes the requests in flight, then exits.
+field, a body over ``max_body_bytes`` (default 1 MiB) 413 before it is read in full; SIGTERM stops accepting at
+once, finishes the requests in flight within ``drain_timeout_s``, answers what is left then 503 with Retry-After,
+and exits 0.
+
+Access control (top-level keys, like ``host=``): ``api_key=<token>`` makes every route but ``GET /health``, the
+playground ``/`` and ``/docs`` need ``Authorization: Bearer <token>`` (401 otherwise; compared in constant
+time); give it as the environment variable ``DISTILL_SERVE_API_KEY`` to keep it off the command line and out of
+``ps``. ``allowed_hosts=[name,...]``: the Host header names served, any port (400 otherwise); by default, on a
+loopback ``host=``, localhost, 127.0.0.1 and [::1] (a web page whose name an attacker points at 127.0.0.1, DNS
+rebinding, is refused). ``cors_origins=[origin,...]``: origins whose pages may call the service (default none:
+no CORS headers). A non-loopback ``host=`` without ``api_key`` exits 2 unless ``insecure=true``.
 
 FastAPI + uvicorn rather than LitServe: LitServe batches requests into one ``predict`` call, but distill needs
 its own scheduling between stages (three stage threads with bounded queues, and a denoiser that batches
@@ -20,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import html
 import math
 import secrets
+import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,16 +42,20 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from distill.config.schema import ServeConfig
 from distill.serve.engine import DeadlineExceeded, Draining, Engine, Job, QueueFull
 from distill.serve.jobs import add_docs, add_job_routes
 from distill.serve.metrics import ServeMetrics
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+# served without the key, to anyone: they hold no data (the playground asks for the key; /docs is the API's schema)
+OPEN_PATHS = ("/", "/health", "/docs", "/openapi.json")
 
 
 class GenerateRequest(BaseModel):
@@ -68,24 +84,123 @@ def _invalid(errors: list[tuple[str, str]]) -> JSONResponse:
         {"loc": ["body", name], "msg": message, "type": "value_error"} for name, message in errors]})
 
 
+def _retrieve(waiting: asyncio.Future) -> None:
+    """Mark a handler's future read: one that gave up (deadline, hang-up) never reads the error the engine sets
+    later, which asyncio would report as "Future exception was never retrieved"."""
+    if not waiting.cancelled():
+        waiting.exception()
+
+
+class Guard:
+    """Pure-ASGI checks of every HTTP request before the app sees it, answered in JSON and counted: its Host
+    header (400 unless in ``allowed_hosts``, any port: DNS rebinding; ``None``: any host), its key (401 with
+    ``WWW-Authenticate: Bearer`` unless ``Authorization: Bearer <api_key>``, except GET of :data:`OPEN_PATHS` and
+    /docs' assets; ``None``: no key), and its body size (413 past ``max_body_bytes``: a larger Content-Length at
+    once, a body without one, e.g. chunked, as it streams in; nothing past the limit is read)."""
+
+    def __init__(self, app, *, max_body_bytes: int, api_key: str | None, allowed_hosts: list[str] | None,
+                 answer):
+        self.app, self.max_body_bytes, self.answer = app, max_body_bytes, answer
+        self.key = None if api_key is None else api_key.encode()
+        self.hosts = None if allowed_hosts is None else {host.lower() for host in allowed_hosts}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {name.decode("latin-1"): value for name, value in scope["headers"]}
+        refusal = self.refuse(scope, headers)
+        if refusal is None:
+            body, refusal = await self.read(receive, headers.get("content-length"))
+        if refusal is not None:
+            return await self.answer(refusal)(scope, receive, send)
+        if body is None:  # the client left while sending
+            return None
+        replayed = False
+
+        async def replay() -> dict:  # the body read here, then the client's own messages (its hang-up)
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    def refuse(self, scope, headers: dict[str, bytes]) -> Response | None:
+        """The 400 or 401 answer of a request from a foreign host or without the key, else None."""
+        if self.hosts is not None:
+            host = headers.get("host", b"").decode("latin-1").lower()
+            name = host[:host.index("]") + 1] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+            if name not in self.hosts:
+                return JSONResponse(status_code=400, content={"detail": (
+                    f"Host {host!r} is not served here (allowed_hosts={sorted(self.hosts)}, any port): "
+                    "add the name the clients use to allowed_hosts=")})
+        path = scope["path"]
+        open_path = scope["method"] in ("GET", "HEAD") and (path in OPEN_PATHS or path.startswith("/docs/"))
+        if self.key is None or open_path or scope["method"] == "OPTIONS":  # OPTIONS: a CORS preflight has no key
+            return None
+        scheme, _, token = headers.get("authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):  # constant time
+            return None
+        return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"}, content={
+            "detail": "a missing or wrong API key: send the header Authorization: Bearer <api_key>"})
+
+    async def read(self, receive, length: bytes | None) -> tuple[bytes | None, Response | None]:
+        """The whole body, or the 413 answer as soon as it is known to pass the limit."""
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return None, self.too_large(f"Content-Length: {int(length)}")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None, None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None, self.too_large(f"more than {self.max_body_bytes} bytes sent")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+    def too_large(self, what: str) -> JSONResponse:
+        return JSONResponse(status_code=413, content={"detail": (
+            f"the request body is too large ({what}): at most max_body_bytes={self.max_body_bytes} bytes "
+            "(a serve key: max_body_bytes=<bytes>)")})
+
+
 def _draining(err: Draining) -> JSONResponse:
     """503 while the service shuts down: another replica (or this one, restarted) can take the request."""
     return JSONResponse(status_code=503, content={"detail": str(err)}, headers={"Retry-After": "5"})
 
 
-def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -> FastAPI:
-    """The FastAPI app serving ``engine``; closing the app (lifespan end) drains the engine."""
+def create_app(engine: Engine, model: str = "", drain_timeout_s: float = ServeConfig.drain_timeout_s, *,
+               max_body_bytes: int = ServeConfig.max_body_bytes, api_key: str | None = None,
+               allowed_hosts: list[str] | None = None, cors_origins: list[str] = ()) -> FastAPI:
+    """The FastAPI app serving ``engine`` (the keyword arguments: :class:`Guard`'s, and the origins a browser may
+    call from, none by default); ``app.state.drain()`` (on SIGTERM) or closing the app (lifespan end) drains the
+    engine: it stops taking requests at once and finishes those held within ``drain_timeout_s``; the ones still
+    held then are answered 503 with Retry-After."""
     metrics: ServeMetrics = engine.metrics or ServeMetrics()
     engine.metrics = metrics
+    closing: list[threading.Thread] = []
+
+    def drain() -> None:
+        if not closing:
+            engine.begin_drain()
+            closing.append(threading.Thread(target=engine.close, args=(True, drain_timeout_s), name="drain",
+                                            daemon=True))
+            closing[0].start()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        await asyncio.to_thread(engine.close, True, drain_timeout_s)
+        drain()
+        await asyncio.to_thread(closing[0].join)
 
     app = FastAPI(title="distill.serve", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,  # add_docs
                   description=f"Text-to-image generation with {model or 'a diffusion pipeline'} "
                               f"({engine.mode} mode)")
+    app.state.drain = drain
 
     def answer(response: Response) -> Response:
         metrics.requests.labels(str(response.status_code)).inc()
@@ -129,6 +244,7 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
         future = job.future
         metrics.inflight.inc()
         waiting = asyncio.wrap_future(future)
+        waiting.add_done_callback(_retrieve)
         try:
             while True:  # the answer, the deadline, or the client hanging up: whichever comes first
                 left = job.deadline - time.monotonic()
@@ -165,9 +281,11 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """Status (``ok``, or ``draining`` with 503 during shutdown), mode, queue and the request defaults."""
-        status = "draining" if not engine.accepting else "ok" if engine.healthy() else "stage stopped"
-        body = {"status": status, "model": model, "mode": engine.mode,
+        """Status (``ok``; with 503 ``draining`` during shutdown, or ``unhealthy`` when a stage stopped or stalled,
+        named in ``reason``), mode, queue and the request defaults."""
+        ok, reason = engine.health()
+        status = "draining" if not engine.accepting else "ok" if ok else "unhealthy"
+        body = {"status": status, "reason": reason, "model": model, "mode": engine.mode,
                 "queue_depth": len(engine.queue), "in_flight": engine.inflight, "defaults": defaults()}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
@@ -198,4 +316,11 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = 60.0) -
 
     add_job_routes(app, engine, admit, answer, defaults()["scheduler"])
     add_docs(app)
+    # added last, so outermost: CORS headers on every answer (a 401 too) and preflights answered before the key
+    app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, allowed_hosts=allowed_hosts,
+                       answer=answer)
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["*"],
+                           allow_headers=["authorization", "content-type"],
+                           expose_headers=["retry-after", "x-seed", "x-latency-s"])
     return app

@@ -4,16 +4,23 @@
     python -m distill.serve pipeline=<export> engine.mode=stream engine.max_batch_size=16 port=8000
     python -m distill.serve pipeline=<teacher> scheduler=dpmsolver steps=20 accelerate=forecast engine.mode=pipeline
 
+    DISTILL_SERVE_API_KEY=<token> python -m distill.serve pipeline=<export> host=0.0.0.0 allowed_hosts=[gpu7.lan]
+
 Request defaults: the command line's ``scheduler``/``steps``/``guidance_scale``, else the export's intended call
-(its distill.json), else the pipeline's own call defaults. Bad settings exit 2 before the model is loaded.
+(its distill.json), else the pipeline's own call defaults. Bad settings exit 2 before the model is loaded, among
+them a non-loopback ``host=`` without ``api_key`` (or the environment variable ``DISTILL_SERVE_API_KEY``, which
+keeps the key off the command line) unless ``insecure=true``. ``max_body_bytes``, ``api_key``,
+``allowed_hosts``, ``cors_origins``: see distill.serve.app.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -28,6 +35,29 @@ register_configs()
 register_resolvers()
 
 DTYPES = ("float32", "float16", "bfloat16")
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
+# uvicorn's own shutdown deadline beyond drain_timeout_s: time for the handlers of what the drain cut off to answer
+# 503, before uvicorn would cancel them (plain-text 500s and CancelledError tracebacks)
+SHUTDOWN_GRACE_S = 5.0
+
+
+def loopback(host: str) -> bool:
+    """Whether binding ``host`` serves this machine alone."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(cfg: DictConfig) -> list[str] | None:
+    """The Host names served: ``allowed_hosts`` if given, else on a loopback bind its names (a web page whose own
+    name resolves to 127.0.0.1 cannot reach the service: DNS rebinding), else any (None)."""
+    if cfg.allowed_hosts is not None:
+        return list(cfg.allowed_hosts)
+    if not loopback(cfg.host):
+        return None
+    bound = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    return list(dict.fromkeys((*LOOPBACK_NAMES, bound)))
 
 
 def _check(cfg: DictConfig) -> None:
@@ -46,6 +76,11 @@ def _check(cfg: DictConfig) -> None:
         raise ValueError(f"dtype={cfg.dtype!r} is unknown; use one of {list(DTYPES)}")
     if not 0 <= cfg.port < 65536:
         raise ValueError(f"port={cfg.port} must lie in [0, 65535] (0: any free port)")
+    if not loopback(cfg.host) and not cfg.api_key and not cfg.insecure:
+        raise ValueError(f"host={cfg.host} serves other machines: set api_key=<token> (or the environment variable "
+                         "DISTILL_SERVE_API_KEY), or insecure=true to serve them without one")
+    if cfg.max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes={cfg.max_body_bytes} must be >= 1")
     if cfg.accelerate.kind != "none" and cfg.engine.mode == "stream":
         raise ValueError(f"accelerate={cfg.accelerate.kind} keeps state along one trajectory, and engine.mode=stream "
                          "batches requests at different steps; set engine.mode=pipeline (or batch)")
@@ -87,9 +122,11 @@ def build(cfg: DictConfig):
     return engine, str(cfg.pipeline)
 
 
-def _server(config):
+def _server(config, drain: Callable[[], None]):
     """A uvicorn server whose SIGTERM (or first Ctrl-C) drains and then exits 0: uvicorn re-raises the signal
-    after its graceful shutdown, which would end the process by the signal instead."""
+    after its graceful shutdown, which would end the process by the signal instead. ``drain`` starts the engine's
+    drain as the shutdown begins, in the event loop (a signal handler may interrupt the loop holding the engine's
+    lock), so that requests are refused and the drain timeout counted from then on."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -98,6 +135,10 @@ def _server(config):
                 self.force_exit = True  # a second Ctrl-C stops without waiting
             else:
                 self.should_exit = True
+
+        async def shutdown(self, sockets=None) -> None:
+            drain()
+            await super().shutdown(sockets)
 
     return Server(config)
 
@@ -118,8 +159,11 @@ def serve(cfg: DictConfig) -> None:
     except OSError as err:
         raise ValueError(f"cannot listen on {cfg.host}:{cfg.port} ({err.strerror}); choose another port=") from err
     engine, model = build(cfg)
-    app = create_app(engine, model, cfg.drain_timeout_s)
-    server = _server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.drain_timeout_s))
+    app = create_app(engine, model, cfg.drain_timeout_s, max_body_bytes=cfg.max_body_bytes, api_key=cfg.api_key or None,
+                     allowed_hosts=allowed_hosts(cfg), cors_origins=list(cfg.cors_origins))
+    server = _server(uvicorn.Config(app, log_level="warning",
+                                    timeout_graceful_shutdown=cfg.drain_timeout_s + SHUTDOWN_GRACE_S),
+                     app.state.drain)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
     # listening before the address is announced: a client that reads it connects at once (queued until uvicorn

@@ -16,7 +16,8 @@ import httpx
 
 
 class ServeError(RuntimeError):
-    """A non-200 answer: ``status`` (422 bad value, 429 queue full, 503 shutting down, 504 past the deadline),
+    """A non-200 answer: ``status`` (401 missing or wrong API key, 413 body too large, 422 bad value, 429 queue
+    full, 503 shutting down, 504 past the deadline),
     ``detail`` (the server's message, per field for 422) and ``retry_after`` (seconds, on 429)."""
 
     def __init__(self, status: int, detail, retry_after: float | None = None):
@@ -44,6 +45,10 @@ class Generation:
     @property
     def latency_s(self) -> float:
         return self.info.get("latency_s", float("nan"))
+
+
+def _auth(api_key: str | None) -> dict:
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
 
 def _payload(prompt, **options) -> dict:
@@ -79,10 +84,11 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 class Client:
     """Blocking client: ``generate(prompt, steps=, guidance_scale=, seed=, height=, width=, scheduler=,
-    timeout_s=)`` returns a :class:`Generation` or raises :class:`ServeError`."""
+    timeout_s=)`` returns a :class:`Generation` or raises :class:`ServeError`; ``api_key``: the service's
+    ``api_key``, sent as ``Authorization: Bearer <api_key>``."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0):
-        self.http = httpx.Client(base_url=url, timeout=timeout)
+    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, api_key: str | None = None):
+        self.http = httpx.Client(base_url=url, timeout=timeout, headers=_auth(api_key))
 
     def generate(self, prompt: str | list[str], **options) -> Generation:
         return _parse(self.http.post("/generate", json=_payload(prompt, **options)))
@@ -106,9 +112,10 @@ class Client:
 class AsyncClient:
     """The asyncio client (the load test's): the same methods, awaited."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, max_connections: int = 256):
+    def __init__(self, url: str = "http://127.0.0.1:8000", timeout: float = 600.0, max_connections: int = 256,
+                 api_key: str | None = None):
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self.http = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
+        self.http = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, headers=_auth(api_key))
 
     async def generate(self, prompt: str | list[str], **options) -> Generation:
         return _parse(await self.http.post("/generate", json=_payload(prompt, **options)))
