@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import queue
 import re
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BOOT_TIMEOUT_S = 120  # model load on a busy CI worker; here it takes ~6 s
 WAIT_S = 60  # one 32x32 image at 4 steps takes ~0.1 s; the bound only matters when something hangs
 STEPS, GUIDANCE, SEED = 3, 2.5, 1234  # not the server's defaults (4, 3.0), so the inputs demonstrably reach it
+KEY_ITEM = "distill.serve.api_key"  # the page's sessionStorage item
 LONG_STEPS = 100  # engine.max_steps: ~1-2 s of denoising, so that many 100 ms polls of the page land mid-way
 PROMPT = "a handwritten digit seven"
 
@@ -275,6 +277,31 @@ def test_page_generates_the_clients_image(page):
     assert got.std() > 0, "a blank image"
 
 
+def test_the_api_key_goes_with_every_request_and_stays_for_the_tab(page):
+    """A key typed in the box is sent as ``Authorization: Bearer <key>`` on the submission and every poll, kept in
+    sessionStorage across a reload of the tab; an emptied box sends no header."""
+    from selenium.webdriver.common.by import By
+
+    driver = page.driver
+    driver.find_element(By.TAG_NAME, "summary").click()  # the box sits folded away
+    driver.find_element(By.ID, "api-key").send_keys("s3cret")
+    driver.refresh()
+    assert driver.find_element(By.ID, "api-key").get_attribute("value") == "s3cret"
+    record = ("window.sent = []; const inner = window.fetch; window.fetch = (url, options = {}) => {"
+              "  window.sent.push([options.method || 'GET', String(url), (options.headers || {}).Authorization || null]);"
+              "  return inner(url, options); };")
+    for key in ("s3cret", ""):
+        driver.execute_script(record)
+        _set(driver, prompt=PROMPT, steps=str(STEPS), seed=str(SEED), **{"api-key": key})
+        driver.execute_script("document.getElementById('api-key').dispatchEvent(new Event('input'));")
+        _submit(driver)
+        _status(driver, lambda text, classes: DONE.fullmatch(text) or "error" in classes, "the image")
+        sent = driver.execute_script("return window.sent")
+        assert sent[0][:2] == ["POST", "/jobs"] and sent[-1][1].startswith("/jobs/") and len(sent) >= 2, sent
+        assert {header for *_, header in sent} == {f"Bearer {key}" if key else None}, sent
+        assert driver.execute_script(f"return sessionStorage.getItem({json.dumps(KEY_ITEM)})") == key
+
+
 def test_page_sends_size_scheduler_and_number_of_images(page):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -283,8 +310,8 @@ def test_page_sends_size_scheduler_and_number_of_images(page):
 
     driver, defaults = page.driver, page.health["defaults"]
     side = defaults["width"] + 2 * defaults["vae_factor"]  # not the native size
-    _set(page.driver, prompt=PROMPT, steps=str(STEPS), seed=str(SEED), width=str(side), height=str(side),
-         **{"images-count": "2"})
+    _set(page.driver, prompt=PROMPT, steps=str(STEPS), guidance=str(GUIDANCE), seed=str(SEED), width=str(side),
+         height=str(side), **{"images-count": "2"})
     Select(driver.find_element(By.ID, "scheduler")).select_by_value("euler")
     driver.find_element(By.ID, "generate").click()
     text = _status(driver, lambda text, classes: DONE.fullmatch(text) or "error" in classes, "two images")

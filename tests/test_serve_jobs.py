@@ -109,6 +109,7 @@ def test_a_job_shows_its_step_then_answers_generates_image(http):
     assert client.get(url).json()["result"]["images"] == result["images"]  # kept for the owner to fetch again
     metrics = parse_metrics(client.get("/metrics").text)
     assert metrics['distill_serve_requests_total{code="202"}'] >= 1
+    assert metrics["distill_serve_requests_in_flight"] == 0 and metrics["distill_serve_request_seconds_count"] == 2
 
 
 def _image(b64: str):

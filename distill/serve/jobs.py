@@ -121,6 +121,11 @@ def add_job_routes(app: FastAPI, engine: Engine, admit: Callable, answer: Callab
         return {"id": key, "status": entry.status(), "stage": job.stage, "step": job.step, "steps": job.steps,
                 "elapsed_s": round(end - job.submitted, 3)}
 
+    def settled(future) -> None:
+        engine.metrics.inflight.dec()
+        if not future.cancelled() and future.exception() is None:
+            engine.metrics.request_seconds.observe(future.result().latency_s)
+
     def unknown(key: str) -> Response:
         return answer(JSONResponse(status_code=404, content={
             "detail": f"no job {key!r}: unknown, or finished more than {store.ttl_s:g} s ago (or beyond the "
@@ -139,6 +144,8 @@ def add_job_routes(app: FastAPI, engine: Engine, admit: Callable, answer: Callab
         if not isinstance(admitted, Job):
             return admitted
         key = store.add(admitted)
+        engine.metrics.inflight.inc()  # a job is in flight, as a waiting /generate is, until it settles
+        admitted.future.add_done_callback(settled)
         url = str(request.url_for("job_status", key=key).path)
         return answer(JSONResponse(status_code=202, content={"id": key, "status_url": url},
                                    headers={"Location": url}))
