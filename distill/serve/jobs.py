@@ -54,11 +54,12 @@ def failure(job: Job, err: BaseException, **fields) -> JSONResponse:
 
 @dataclass(eq=False)
 class Entry:
-    """A job of the store: ``finished`` (monotonic seconds) once its future is settled; ``expired`` when the store
-    cancelled it at its deadline (a 504, not the owner's cancel)."""
+    """A job of the store: ``finished`` (monotonic seconds) and ``step`` (the steps it had done) once its future is
+    settled; ``expired`` when the store cancelled it at its deadline (a 504, not the owner's cancel)."""
 
     job: Job
     finished: float | None = None
+    step: int = 0
     expired: bool = False
 
     def status(self) -> str:
@@ -82,7 +83,9 @@ class JobStore:
         key = secrets.token_urlsafe(16)
         entry = self.entries[key] = Entry(job)
 
-        def finished(_):  # on the engine's thread: one attribute store, read by the event loop
+        def finished(_):  # on the engine's thread (or the loop's, for a cancel); read by the event loop
+            # a cancelled job's batch may go on stepping (a pipeline call runs to its end): its count stops here
+            entry.step = job.step
             entry.finished = time.monotonic()
 
         job.future.add_done_callback(finished)
@@ -116,10 +119,10 @@ def add_job_routes(app: FastAPI, engine: Engine, admit: Callable, answer: Callab
     store = JobStore()
 
     def progress(key: str, entry: Entry) -> dict:
-        job = entry.job
-        end = entry.finished or time.monotonic()
-        return {"id": key, "status": entry.status(), "stage": job.stage, "step": job.step, "steps": job.steps,
-                "elapsed_s": round(end - job.submitted, 3)}
+        job, end = entry.job, entry.finished
+        step = job.step if end is None else entry.step
+        return {"id": key, "status": entry.status(), "stage": job.stage, "step": step, "steps": job.steps,
+                "elapsed_s": round((end or time.monotonic()) - job.submitted, 3)}
 
     def settled(future) -> None:
         engine.metrics.inflight.dec()
