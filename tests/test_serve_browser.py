@@ -425,7 +425,7 @@ def test_docs_render_the_api_offline(page):
     WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(
         lambda _: driver.find_elements(By.CSS_SELECTOR, ".opblock-summary-path"))
     paths = {e.get_attribute("data-path") for e in driver.find_elements(By.CSS_SELECTOR, ".opblock-summary-path")}
-    assert {"/generate", "/jobs", "/jobs/{key}", "/health"} <= paths, paths
+    assert {"/generate", "/jobs", "/jobs/{id}", "/health"} <= paths, paths
     loaded = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert loaded and all(name.startswith(page.url + "/") for name in loaded), loaded
     severe = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]

@@ -6,8 +6,8 @@
     DELETE /jobs/{id}   cancel: the engine drops the job at its next denoising step or stage boundary
 
 Polling rather than server-sent events: a poll is one short request that any client, proxy and the access
-control treat like every other, and the progress it reads (:attr:`Job.step`) changes once per UNet call, which a
-poll every few hundred milliseconds follows closely. Ids are ``secrets.token_urlsafe`` strings, because an id is
+control treat like every other, and the progress it reads (:attr:`Job.step`) changes once per UNet call, which the
+playground's poll every 100 ms follows closely. Ids are ``secrets.token_urlsafe`` strings, because an id is
 all that guards a job's images: whoever has it may read or cancel them. The store keeps every unfinished job
 (the engine's ``queue_size`` bounds them) and the :data:`MAX_FINISHED` latest finished ones for :data:`FINISHED_TTL_S`
 seconds; after that the id answers 404.
@@ -149,17 +149,17 @@ def add_job_routes(app: FastAPI, engine: Engine, admit: Callable, answer: Callab
         key = store.add(admitted)
         engine.metrics.inflight.inc()  # a job is in flight, as a waiting /generate is, until it settles
         admitted.future.add_done_callback(settled)
-        url = str(request.url_for("job_status", key=key).path)
+        url = str(request.url_for("job_status", id=key).path)
         return answer(JSONResponse(status_code=202, content={"id": key, "status_url": url},
                                    headers={"Location": url}))
 
-    @app.get("/jobs/{key}", name="job_status", responses={404: {"description": "unknown or forgotten id"}})
-    async def job_status(key: str) -> Response:
+    @app.get("/jobs/{id}", name="job_status", responses={404: {"description": "unknown or forgotten id"}})
+    async def job_status(id: str) -> Response:
         """A job's progress; its result once done, or /generate's error status and detail once failed."""
-        entry = store.get(key)
+        entry = store.get(id)
         if entry is None:
-            return unknown(key)
-        state = progress(key, entry)
+            return unknown(id)
+        state = progress(id, entry)
         future = entry.job.future
         if state["status"] == "done":
             state["result"] = result_json(entry.job, future.result(), entry.job.scheduler or scheduler)
@@ -167,14 +167,14 @@ def add_job_routes(app: FastAPI, engine: Engine, admit: Callable, answer: Callab
             return answer(failure(entry.job, DeadlineExceeded() if entry.expired else future.exception(), **state))
         return answer(JSONResponse(state))
 
-    @app.delete("/jobs/{key}", responses={404: {"description": "unknown or forgotten id"}})
-    async def cancel_job(key: str) -> Response:
+    @app.delete("/jobs/{id}", responses={404: {"description": "unknown or forgotten id"}})
+    async def cancel_job(id: str) -> Response:
         """Cancel a job (a finished one stays as it is); its state after the call."""
-        entry = store.get(key)
+        entry = store.get(id)
         if entry is None:
-            return unknown(key)
+            return unknown(id)
         entry.job.future.cancel()  # False when it already finished: nothing to stop
-        return answer(JSONResponse(progress(key, entry)))
+        return answer(JSONResponse(progress(id, entry)))
 
     return store
 
