@@ -12,6 +12,7 @@ import re
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -191,3 +192,18 @@ def test_docs_are_served_from_local_assets(http):
         asset = client.get(url)
         assert asset.status_code == 200 and len(asset.content) > 1000, url
     assert client.get("/redoc").status_code == 404  # FastAPI's CDN page is gone, not left blank
+
+
+def test_clients_see_the_models_name_not_its_path(http):
+    """A local folder is shown by its name on /health, the playground and /docs' description; a hub id as it is."""
+    from fastapi.testclient import TestClient
+
+    from distill.serve.app import create_app
+
+    _, engine = http
+    folder = str(asset_path("teacher"))
+    for model, shown in ((folder, Path(folder).name), ("org/some-model", "org/some-model")):
+        client = TestClient(create_app(engine, model))  # no lifespan: the fixture's app owns the engine
+        assert client.get("/health").json()["model"] == shown
+        for text in (client.get("/").text, client.get("/openapi.json").text):
+            assert shown in text and (model == shown or model not in text)

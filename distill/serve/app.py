@@ -173,6 +173,13 @@ def _draining(err: Draining) -> JSONResponse:
     return JSONResponse(status_code=503, content={"detail": str(err)}, headers={"Retry-After": "5"})
 
 
+def model_name(model: str) -> str:
+    """The served model as clients see it: a local folder by its name (where it lies on the server's disk is no
+    client's business), a hub id as it is."""
+    path = Path(model)
+    return path.name if path.is_absolute() or path.is_dir() else model
+
+
 def create_app(engine: Engine, model: str = "", drain_timeout_s: float = ServeConfig.drain_timeout_s, *,
                max_body_bytes: int = ServeConfig.max_body_bytes, api_key: str | None = None,
                allowed_hosts: list[str] | None = None, cors_origins: list[str] = ()) -> FastAPI:
@@ -180,6 +187,7 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = ServeCo
     call from, none by default); ``app.state.drain()`` (on SIGTERM) or closing the app (lifespan end) drains the
     engine: it stops taking requests at once and finishes those held within ``drain_timeout_s``; the ones still
     held then are answered 503 with Retry-After."""
+    model = model_name(model)  # all that /health, the playground and /docs show of it
     metrics: ServeMetrics = engine.metrics or ServeMetrics()
     engine.metrics = metrics
     closing: list[threading.Thread] = []
