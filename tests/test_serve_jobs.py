@@ -65,11 +65,11 @@ class Hold:
         self.engine._stream_step = self.inner
 
 
-def wait_job(client, url: str, timeout: float = 60.0):
+def wait_job(client, url: str, timeout: float = 60.0, headers: dict | None = None):
     """GET ``url`` until the job is no longer queued or running; the last answer."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        response = client.get(url)
+        response = client.get(url, headers=headers)
         if response.json().get("status") not in ("queued", "running"):
             return response
         time.sleep(0.02)
@@ -207,3 +207,20 @@ def test_clients_see_the_models_name_not_its_path(http):
         assert client.get("/health").json()["model"] == shown
         for text in (client.get("/").text, client.get("/openapi.json").text):
             assert shown in text and (model == shown or model not in text)
+
+
+def test_with_an_api_key_the_job_routes_need_it_and_the_docs_do_not(http):
+    from fastapi.testclient import TestClient
+
+    from distill.serve.app import create_app
+
+    _, engine = http
+    client = TestClient(create_app(engine, "digits-teacher", api_key="k3y"))  # the fixture's app owns the engine
+    key = {"Authorization": "Bearer k3y"}
+    assert client.post("/jobs", json={"prompt": PROMPT, "steps": 2}).status_code == 401
+    submitted = client.post("/jobs", json={"prompt": PROMPT, "steps": 2}, headers=key)
+    assert submitted.status_code == 202, submitted.text
+    url = submitted.json()["status_url"]
+    assert client.get(url).status_code == 401 and client.delete(url).status_code == 401  # nor read or cancelled without it
+    assert wait_job(client, url, headers=key).json()["status"] == "done"
+    assert client.get("/docs").status_code == 200 and client.get("/docs/assets/swagger-ui.css").status_code == 200
