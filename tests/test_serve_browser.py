@@ -288,8 +288,8 @@ def test_the_api_key_goes_with_every_request_and_stays_for_the_tab(page):
     driver.refresh()
     assert driver.find_element(By.ID, "api-key").get_attribute("value") == "s3cret"
     record = ("window.sent = []; const inner = window.fetch; window.fetch = (url, options = {}) => {"
-              "  window.sent.push([options.method || 'GET', String(url), (options.headers || {}).Authorization || null]);"
-              "  return inner(url, options); };")
+              "  const key = (options.headers || {}).Authorization || null;"
+              "  window.sent.push([options.method || 'GET', String(url), key]); return inner(url, options); };")
     for key in ("s3cret", ""):
         driver.execute_script(record)
         _set(driver, prompt=PROMPT, steps=str(STEPS), seed=str(SEED), **{"api-key": key})

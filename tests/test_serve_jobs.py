@@ -221,6 +221,7 @@ def test_with_an_api_key_the_job_routes_need_it_and_the_docs_do_not(http):
     submitted = client.post("/jobs", json={"prompt": PROMPT, "steps": 2}, headers=key)
     assert submitted.status_code == 202, submitted.text
     url = submitted.json()["status_url"]
-    assert client.get(url).status_code == 401 and client.delete(url).status_code == 401  # nor read or cancelled without it
+    # nor read or cancelled without it
+    assert client.get(url).status_code == 401 and client.delete(url).status_code == 401
     assert wait_job(client, url, headers=key).json()["status"] == "done"
     assert client.get("/docs").status_code == 200 and client.get("/docs/assets/swagger-ui.css").status_code == 200
