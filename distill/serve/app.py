@@ -29,7 +29,6 @@ uvicorn the graceful shutdown on SIGTERM.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
 import html
 import math
@@ -48,8 +47,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from distill.config.schema import ServeConfig
-from distill.serve.engine import DeadlineExceeded, Draining, Engine, Job, QueueFull
-from distill.serve.jobs import add_docs, add_job_routes
+from distill.serve.engine import Draining, Engine, Job, QueueFull
+from distill.serve.jobs import add_docs, add_job_routes, failure, result_json
 from distill.serve.metrics import ServeMetrics
 
 PLAYGROUND = Path(__file__).with_name("playground.html")
@@ -168,11 +167,6 @@ class Guard:
             "(a serve key: max_body_bytes=<bytes>)")})
 
 
-def _draining(err: Draining) -> JSONResponse:
-    """503 while the service shuts down: another replica (or this one, restarted) can take the request."""
-    return JSONResponse(status_code=503, content={"detail": str(err)}, headers={"Retry-After": "5"})
-
-
 def model_name(model: str) -> str:
     """The served model as clients see it: a local folder by its name (where it lies on the server's disk is no
     client's business), a hub id as it is."""
@@ -239,7 +233,7 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = ServeCo
             return answer(JSONResponse(status_code=429, content={"detail": str(err)},
                                        headers={"Retry-After": str(math.ceil(err.retry_after))}))
         except Draining as err:
-            return answer(_draining(err))
+            return answer(failure(job, err))
         return job
 
     @app.post("/generate", responses={200: {"content": {"image/png": {}}}, 429: {"description": "queue full"},
@@ -265,27 +259,19 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = ServeCo
                 if await request.is_disconnected():  # nobody will read the images: stop making them
                     future.cancel()
                     return answer(Response(status_code=499))
-        except (TimeoutError, DeadlineExceeded):
-            future.cancel()
-            return answer(JSONResponse(status_code=504, content={
-                "detail": f"request {job.id} did not finish within timeout_s={job.timeout_s}; it was cancelled"}))
         except asyncio.CancelledError:
             future.cancel()
             raise
-        except Draining as err:
-            return answer(_draining(err))
-        except Exception as err:  # noqa: BLE001 - the batch failed; the service goes on
-            return answer(JSONResponse(status_code=500, content={"detail": f"{type(err).__name__}: {err}"}))
+        except Exception as err:  # noqa: BLE001 - failure(): 504 past the deadline, 503 draining, 500 a failed batch
+            future.cancel()  # a no-op unless the engine still holds it (past its deadline): then it drops it
+            return answer(failure(job, err))
         finally:
             metrics.inflight.dec()
         metrics.request_seconds.observe(result.latency_s)
-        info = {"id": job.id, "seeds": result.seeds, "latency_s": result.latency_s, "stages": result.timings,
-                "batch_sizes": result.batch_sizes, "steps": job.steps, "guidance_scale": job.guidance_scale,
-                "scheduler": job.scheduler or defaults()["scheduler"], "height": job.height, "width": job.width}
         if body.format == "png":
             return answer(Response(result.png[0], media_type="image/png", headers={
                 "X-Seed": str(result.seeds[0]), "X-Latency-S": f"{result.latency_s:.4f}"}))
-        return answer(JSONResponse({**info, "images": [base64.b64encode(b).decode() for b in result.png]}))
+        return answer(JSONResponse(result_json(job, result, job.scheduler or defaults()["scheduler"])))
 
     @app.get("/health")
     async def health() -> JSONResponse:
