@@ -4,9 +4,10 @@
     python -m distill.serve pipeline=<export> engine.mode=stream engine.max_batch_size=16 port=8000
 
 Endpoints: ``POST /generate`` (JSON: prompt or prompts, steps, guidance_scale, seed, height, width, scheduler,
-format ``base64`` (JSON with base64 PNGs) or ``png`` (the image itself), timeout_s), ``GET /health``,
-``GET /metrics`` (Prometheus text), ``GET /docs`` and ``/openapi.json`` (OpenAPI), ``GET /`` (a playground
-page). A full queue answers 429 with Retry-After, a request past its deadline 504, a bad value 422 naming the
+format ``base64`` (JSON with base64 PNGs) or ``png`` (the image itself), timeout_s), ``POST /jobs``,
+``GET``/``DELETE /jobs/{id}`` (the same request, watched step by step and cancellable: distill.serve.jobs),
+``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /docs`` (Swagger UI, served offline) and
+``/openapi.json`` (OpenAPI), ``GET /`` (a playground page on the job routes). A full queue answers 429 with Retry-After, a request past its deadline 504, a bad value 422 naming the
 field, a body over ``max_body_bytes`` (default 1 MiB) 413 before it is read in full; SIGTERM stops accepting at
 once, finishes the requests in flight within ``drain_timeout_s``, answers what is left then 503 with Retry-After,
 and exits 0.

@@ -10,7 +10,8 @@ control treat like every other, and the progress it reads (:attr:`Job.step`) cha
 playground's poll every 100 ms follows closely. Ids are ``secrets.token_urlsafe`` strings, because an id is
 all that guards a job's images: whoever has it may read or cancel them. The store keeps every unfinished job
 (the engine's ``queue_size`` bounds them) and the :data:`MAX_FINISHED` latest finished ones for :data:`FINISHED_TTL_S`
-seconds; after that the id answers 404.
+seconds; after that the id answers 404. :func:`result_json` and :func:`failure` are /generate's answers too, so
+that the two routes cannot drift apart.
 """
 
 import base64
