@@ -770,7 +770,8 @@ def test_requests_that_cannot_finish_by_their_deadline_are_refused_at_the_door(p
     QueueFull at once for the part that would expire, and (nearly) every admitted request finishes in time."""
     engine = make_engine(pipe, mode="stream", max_batch_size=4, max_wait_ms=0.0, queue_size=200)
     try:
-        run(engine, [engine.job([PROMPTS[i]], seed=i, steps=6) for i in range(8)])  # the rate is measured
+        for i in range(5):  # the rate is measured over at least 4 finished batches
+            run(engine, [engine.job([PROMPTS[i]], seed=i, steps=6), engine.job([PROMPTS[i + 1]], seed=i, steps=6)])
         assert engine.rate() is not None
         admitted, refused = [], 0
         for i in range(120):
@@ -808,3 +809,22 @@ def test_progress_of_a_request_is_visible_in_every_mode(pipe):
         assert job.stage == "done" and job.step == 5
         steps = sorted(step for stage, step in seen if stage == "denoise")
         assert len(set(steps)) >= 3, (mode, seen)  # watched mid-way through the steps
+
+
+def test_a_cancelled_batch_stops_its_pipeline_call_at_the_next_step(pipe):
+    """In the modes that call the pipeline, a batch whose requests all gave up skips its remaining steps (the
+    pipeline's interrupt flag), instead of denoising to the end for nobody."""
+    engine = make_engine(pipe, mode="batch", max_wait_ms=0.0)
+    calls = []
+    hook = pipe.unet.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        job = engine.job([PROMPTS[1]], seed=1, steps=100)
+        future = engine.submit(job)
+        wait_for(lambda: job.step >= 3, timeout=30)
+        future.cancel()
+        wait_for(lambda: engine.inflight == 0 and engine._working.get("denoise") is None, timeout=30)
+        time.sleep(0.2)
+    finally:
+        hook.remove()
+        engine.close(timeout=30)
+    assert len(calls) < 30, len(calls)  # 100 steps, cancelled after 3: it stopped within a few more

@@ -49,6 +49,9 @@ import torch
 log = logging.getLogger(__name__)
 
 MODES = ("sequential", "batch", "pipeline", "stream")
+# admitted only when expected to finish within this share of the deadline: the estimate is a mean, and jobs finish
+# in waves of a batch, so one that the estimate puts at the end of a wave may land in the next
+ADMIT_SHARE = 0.9
 STAGES = ("encode", "denoise", "decode")
 
 
@@ -295,6 +298,7 @@ class Engine:
         self._last_finish = 0.0
         self._busy_since = 0.0  # when the engine last went from holding nothing to holding a job
         self._working: dict[str, float] = {}  # stage -> when its current call last made progress
+        self._call_s = 0.0  # running mean of the seconds per denoising call (one step of a batch)
         with torch.no_grad():  # the unconditional embedding of classifier-free guidance, once
             self.null_embeds = pipe.encode_prompt([""], self.device, 1, False)[0]
         self.threads: list[threading.Thread] = []
@@ -389,13 +393,11 @@ class Engine:
                 raise Draining("the service is shutting down")
             if self.inflight >= self.queue_size:  # admission control: waiting and in a stage count alike
                 raise QueueFull(self.inflight, self.retry_after())
-            rate = self.rate()
-            if rate is not None:
-                backlog = sum(held.work() for held in self.jobs) + job.work()
-                if backlog / rate > timeout:
-                    raise QueueFull(self.inflight, max(1.0, backlog / rate - timeout), (
-                        f"the {self.inflight} requests held and this one need {backlog / rate:.1f} s at the measured "
-                        f"{rate:.0f} UNet rows/s, more than its timeout_s={timeout:g}"))
+            expected = self.expected_seconds(job)
+            if expected is not None and expected > ADMIT_SHARE * timeout:
+                raise QueueFull(self.inflight, max(1.0, expected - ADMIT_SHARE * timeout), (
+                    f"with the {self.inflight} requests held, this one would take {expected:.1f} s at the measured "
+                    f"rate, more than {ADMIT_SHARE:.0%} of its timeout_s={timeout:g}"))
             if self.inflight == 0:
                 self._busy_since = time.monotonic()
             self.inflight += 1
@@ -411,6 +413,16 @@ class Engine:
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self.queue))
         return job.future
+
+    def expected_seconds(self, job: Job) -> float | None:
+        """How long ``job`` would take if admitted now (None before the rate is measured): the work held ahead of
+        it at the measured service rate (:meth:`rate`), then its own denoising calls at the measured seconds per
+        call. In stream mode the jobs already denoising share calls with it rather than go before it."""
+        rate = self.rate()
+        if rate is None or not self._call_s:
+            return None
+        ahead = sum(held.work() for held in self.jobs if self.mode != "stream" or held.stage in ("queued", "encode"))
+        return ahead / rate + (job.calls or job.steps) * self._call_s
 
     def rate(self) -> float | None:
         """The measured service rate in UNet rows (:meth:`Job.work`) per second the engine held work, over its
@@ -472,9 +484,6 @@ class Engine:
                 return False, f"stage {stage} has made no progress for {now - since:.0f} s (engine.stall_s={self.stall_s:g})"
         return True, None
 
-    def healthy(self) -> bool:
-        return self.health()[0]
-
     # ---------------------------------------------------------------- stages
 
     def _start(self) -> None:
@@ -535,6 +544,9 @@ class Engine:
         finally:
             self._working.pop(stage, None)
         seconds = time.perf_counter() - start
+        if stage == "denoise":  # a stream call is one step; a pipeline call all the steps of its batch
+            per_call = seconds / (1 if self.mode == "stream" else max(jobs[0].calls, 1))
+            self._call_s = 0.8 * self._call_s + 0.2 * per_call if self._call_s else per_call
         images = sum(j.n for j in jobs)
         for job in jobs:
             job.timings[stage] = job.timings.get(stage, 0.0) + seconds
@@ -663,6 +675,8 @@ class Engine:
             for job in jobs:
                 job.calls, job.index = pipe.num_timesteps, i + 1
             self._working["denoise"] = time.monotonic()
+            if all(job.dead() for job in jobs):  # nobody waits for these latents: skip the remaining steps
+                pipe._interrupt = True
             return tensors
 
         latents = pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, num_inference_steps=first.steps,
