@@ -23,7 +23,6 @@ from distill.diffusion.parametrization import PREDICTION_TYPES
 from distill.inference.schedulers import SCHEDULERS
 from distill.models.moe import SPLITS
 from distill.models.unet import UNET_SIZES
-from distill.serve.engine import MODES
 
 # ---------------------------------------------------------------- fixed sets of choices
 
@@ -36,7 +35,6 @@ UNetSize = choice("UNetSize", UNET_SIZES)
 ExpertSplit = choice("ExpertSplit", SPLITS)
 MonitorMode = choice("MonitorMode", ("min", "max"))
 AcceleratorKind = choice("AcceleratorKind", ("none", "deepcache", "forecast", "classifier"))
-ServeMode = choice("ServeMode", MODES)
 
 # ---------------------------------------------------------------- data
 
@@ -292,7 +290,7 @@ class FitForecasterConfig:
 
 
 # the engine's own settings (its signature's defaults); the entry point passes the pipeline and the request defaults
-EngineConfig = builds("EngineConfig", "distill.serve.engine.Engine", choices={"mode": ServeMode},
+EngineConfig = builds("EngineConfig", "distill.serve.engine.Engine",
                       exclude=("pipe", "steps", "guidance_scale", "scheduler", "own_scheduler", "scheduler_options",
                                "accelerator", "metrics"))
 

@@ -43,12 +43,15 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
 log = logging.getLogger(__name__)
 
-MODES = ("sequential", "batch", "pipeline", "stream")
+# the serving modes, typed so that the config schema makes engine.mode a fixed set of choices from this signature
+Mode = Literal["sequential", "batch", "pipeline", "stream"]
+MODES = get_args(Mode)
 # admitted only when expected to finish within this share of the deadline: the estimate is a mean, and jobs finish
 # in waves of a batch, so one that the estimate puts at the end of a wave may land in the next
 ADMIT_SHARE = 0.9
@@ -237,7 +240,7 @@ class Engine:
 
     def __init__(self, pipe, *, steps: int, guidance_scale: float, scheduler: str | None = None,
                  own_scheduler: str | None = None, scheduler_options: dict[str, dict] | None = None,
-                 mode: str = "stream", max_batch_size: int = 8,
+                 mode: Mode = "stream", max_batch_size: int = 8,
                  max_wait_ms: float = 10.0, queue_size: int = 64, stage_queue_size: int = 2, timeout_s: float = 120.0,
                  max_steps: int = 100, max_prompt_chars: int = 2000, stall_s: float = 60.0, accelerator=None,
                  metrics=None):
