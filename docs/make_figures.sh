@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rebuild every figure of the README (about 20 minutes on 2 CPU cores).
+# Rebuild every figure of README.md and docs/*.md (it runs every training below, one after another).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -80,5 +80,5 @@ $PY bench/compress_table.py "${specs[@]}" --out docs/accelerate_quality_cost.csv
   "teacher DPM-Solver 20=teacher-dpmsolver20" "teacher DDIM 50 no CFG=teacher-ddim50-cfg1" \
   "teacher DDIM 50 empty prompt=teacher-ddim50-null" "LCM 4 steps=lcm4"
 $PY bench/accelerate_latency.py --threads 2 --lcm outputs/consistency_demo/export --out docs/accelerate_latency.json
-# the notebooks' pictures (README "Notebooks"): each notebook with its default settings, its figure cell
+# the notebooks' pictures (docs/notebooks.md): each notebook with its default settings, its figure cell
 $PY notebooks/run.py notebooks/*.ipynb --figure-dir docs/notebooks

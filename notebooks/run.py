@@ -1,5 +1,5 @@
-"""Run a notebook top to bottom with its parameters set (papermill's convention, on nbclient), and take its README
-figure. Used by the tests (small settings) and to make the README's pictures (full settings):
+"""Run a notebook top to bottom with its parameters set (papermill's convention, on nbclient), and take its
+figure. Used by the tests (small settings) and to make the pictures of docs/notebooks.md (full settings):
 
     python notebooks/run.py notebooks/02_quality_cost.ipynb --small --out-root /tmp/nb --figure-dir /tmp/nb/figures
     python notebooks/run.py notebooks/*.ipynb --figure-dir docs/notebooks      # every notebook, its own settings
@@ -10,7 +10,7 @@ A notebook declares:
   output folder, always among them);
 - ``metadata.distill.small``: the settings a test run uses (a few dozen steps, a few images per class);
 - ``metadata.distill.expect``: files (relative to ``OUT``) a successful run writes;
-- one code cell tagged ``figure`` whose PNG output is the notebook's picture in the README.
+- one code cell tagged ``figure`` whose PNG output is the notebook's picture in docs/notebooks.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The notebooks run top to bottom (nbclient, their parameter cell set to their small settings), write what they
-declare, show their README figure, and are committed without outputs."""
+declare, show their figure (docs/notebooks.md), and are committed without outputs."""
 
 import importlib.util
 import json
