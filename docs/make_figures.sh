@@ -14,6 +14,10 @@ cp $run/quality_cost.csv docs/consistency_quality_cost.csv
 $PY -m distill.evaluate schedulers=[ddim,dpmsolver,euler] steps=[1,2,4,8,25,50] num_per_class=50 hydra.run.dir=outputs/evaluate_teacher
 cp outputs/evaluate_teacher/quality_cost.csv docs/teacher_quality_cost.csv
 cp outputs/evaluate_teacher/pareto.png docs/teacher_pareto.png
+# the metric sensitivity suite (docs/evaluation.md, "Does the metric see the defect?"), about a minute
+$PY -m distill.evaluate sanity=true eval.extra_features=[pixels,clip] hydra.run.dir=outputs/sanity
+cp outputs/sanity/sanity.png docs/metric_sanity.png
+cp outputs/sanity/sanity.csv docs/metric_sanity.csv
 $PY -m distill.train +exp=progressive hydra.run.dir=outputs/progressive_demo logger=csv
 cp outputs/progressive_demo/plots/pareto_step_0001200.png docs/progressive_pareto.png
 cp outputs/progressive_demo/quality_cost.csv docs/progressive_quality_cost.csv
