@@ -48,8 +48,8 @@ def compose(exp: str, overrides: list[str]):
     from hydra import initialize_config_dir
 
     from distill.config.builds import plain_choices
+    from distill.config.resolvers import register_resolvers
     from distill.config.schema import register_configs
-    from distill.utils.loggers import register_resolvers
 
     register_configs()
     register_resolvers()

@@ -243,8 +243,8 @@ def distill_settings() -> dict:
     (so that a change to the experiment changes what the script is given)."""
     from hydra import compose, initialize_config_dir
 
+    from distill.config.resolvers import register_resolvers
     from distill.config.schema import register_configs
-    from distill.utils.loggers import register_resolvers
 
     register_configs()
     register_resolvers()

@@ -28,8 +28,8 @@ def compose(config_name: str = "train", overrides: Sequence[str] = (), run_dir: 
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from distill.config.resolvers import register_resolvers
     from distill.config.schema import register_configs
-    from distill.utils.loggers import register_resolvers
 
     register_configs()
     register_resolvers()

@@ -31,8 +31,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 
+from distill.config.resolvers import register_resolvers
 from distill.config.schema import register_configs
-from distill.utils.loggers import register_resolvers
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from distill.config.resolvers import register_resolvers
 from distill.config.schema import register_configs
-from distill.utils.loggers import register_resolvers
 
 log = logging.getLogger(__name__)
 

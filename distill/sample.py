@@ -19,8 +19,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from distill.config.resolvers import register_resolvers
 from distill.config.schema import register_configs
-from distill.utils.loggers import register_resolvers
 
 register_configs()
 register_resolvers()

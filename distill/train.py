@@ -17,9 +17,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from distill.config.builds import plain_choices
+from distill.config.resolvers import register_resolvers
 from distill.config.schema import register_configs
 from distill.config.validate import ConfigError, validate
-from distill.utils.loggers import register_resolvers
 
 log = logging.getLogger("distill.train")
 register_configs()

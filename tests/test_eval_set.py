@@ -23,8 +23,8 @@ from tests.sd_tiny import write_tiny_sd
 def compose_eval(*overrides: str, config: str = "evaluate"):
     from hydra import compose, initialize_config_dir
 
+    from distill.config.resolvers import register_resolvers
     from distill.config.schema import register_configs
-    from distill.utils.loggers import register_resolvers
 
     register_configs()
     register_resolvers()

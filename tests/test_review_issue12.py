@@ -62,8 +62,8 @@ def test_sample_command_sampler_takes_its_conf_options(tmp_path, monkeypatch):
 
     import distill.inference.loading as loading
     import distill.sample as sample_cmd
+    from distill.config.resolvers import register_resolvers
     from distill.config.schema import register_configs
-    from distill.utils.loggers import register_resolvers
 
     folder = write_tiny_sd(tmp_path / "pipe")
     loaded = {}

@@ -510,8 +510,8 @@ def test_sigterm_finishes_requests_in_flight_then_exits():
 def _compose_serve(*overrides: str):
     from hydra import compose, initialize_config_dir
 
+    from distill.config.resolvers import register_resolvers
     from distill.config.schema import register_configs
-    from distill.utils.loggers import register_resolvers
 
     register_configs()
     register_resolvers()

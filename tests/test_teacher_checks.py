@@ -129,9 +129,9 @@ def test_evaluate_samples_a_plain_pipeline_with_its_own_default_guidance(tmp_pat
     from diffusers import StableDiffusionPipeline
     from hydra import compose, initialize_config_dir
 
+    from distill.config.resolvers import register_resolvers
     from distill.config.schema import register_configs
     from distill.evaluate import sweep
-    from distill.utils.loggers import register_resolvers
     from tests.conftest import CONF
     from tests.sd_tiny import write_tiny_sd
 
@@ -158,8 +158,8 @@ def test_sample_takes_a_plain_pipelines_own_default_guidance(tmp_path, capsys):
     from hydra import compose, initialize_config_dir
 
     import distill.sample as sample_cmd
+    from distill.config.resolvers import register_resolvers
     from distill.config.schema import register_configs
-    from distill.utils.loggers import register_resolvers
     from tests.conftest import CONF
     from tests.sd_tiny import write_tiny_sd
 

@@ -25,9 +25,9 @@ from collections.abc import Callable
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from distill.config.resolvers import register_resolvers
 from distill.config.schema import register_configs
 from distill.inference.loading import call_defaults
-from distill.utils.loggers import register_resolvers
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from omegaconf import OmegaConf
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +62,6 @@ def reachable(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
     thread.start()
     thread.join(timeout)
     return bool(answered)
-
-
-def _asset(name: str) -> str:
-    from distill.assets import asset_path
-
-    return str(asset_path(name))
-
-
-def register_resolvers() -> None:
-    """``${distill.wandb_offline:}`` and ``${distill.asset:NAME}`` (path of a shipped digits asset)."""
-    if not OmegaConf.has_resolver("distill.wandb_offline"):
-        OmegaConf.register_new_resolver("distill.wandb_offline", lambda: wandb_offline())
-    if not OmegaConf.has_resolver("distill.asset"):
-        OmegaConf.register_new_resolver("distill.asset", _asset)
-
 
 
 class AppendingExperimentWriter(ExperimentWriter):
