@@ -41,6 +41,7 @@ def _randomise(module: torch.nn.Module, names: tuple[str, ...]) -> None:
 def consistency_w(tiny_sd):
     method = LatentConsistencyDistillation(load_teacher(str(tiny_sd)), lambda u: copy_student(u, time_cond_proj_dim=8),
                                            torch.optim.AdamW, num_ddim_timesteps=20,
+                                           guidance_scale_min=2.0, guidance_scale_max=6.0,  # as recorded
                                            sampling={"name": "lcm", "num_inference_steps": 2, "guidance_scale": 3.0})
     _randomise(method.student, ("cond_proj",))
     return method
@@ -50,6 +51,7 @@ def consistency_lora(tiny_sd):
     torch.manual_seed(0)
     method = LatentConsistencyDistillation(load_teacher(str(tiny_sd)), lambda u: lora_student(u, rank=4),
                                            torch.optim.AdamW, ema_decay=0.0, num_ddim_timesteps=20,
+                                           guidance_scale_min=2.0, guidance_scale_max=6.0,  # as recorded
                                            sampling={"name": "lcm", "num_inference_steps": 2, "guidance_scale": 3.0})
     _randomise(method.student, ("lora_B",))
     return method
