@@ -68,6 +68,11 @@ def parse_variant(text: str) -> dict:
         if kind not in ACCELERATORS:
             raise ValueError(f"variant {text!r}: accelerator {kind!r} is not one of {sorted(ACCELERATORS)}")
         options = {k: parse_value(v) for k, v in (item.split("=", 1) for item in rest.split(",") if item)}
+    if kind == "classifier":  # the guide the presets name: the shipped digits asset of the mode
+        from distill.assets import asset_path
+
+        guide = {"noisy": "noisy_classifier", "x0": "classifier", "clip": "clip"}[options.get("mode", "noisy")]
+        options.setdefault("classifier", str(asset_path(guide)))
     make_accelerator(kind, options)  # bad options fail here, before anything is loaded
     return {"label": text, "pipeline": pipeline, "scheduler": m[1], "steps": int(m[2]),
             "guidance_scale": float(m[3]) if m[3] else None, "kind": kind, "options": options}

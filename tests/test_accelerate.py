@@ -406,7 +406,8 @@ def test_guidance_gradient_equals_a_finite_difference(pipe, tiny_guide, mode):
 
     from distill.accelerate import ClassifierGuidance
 
-    guidance = ClassifierGuidance(mode=mode, classifier=str(tiny_guide) if mode == "noisy" else None)
+    shipped = {"x0": "classifier", "clip": "clip"}  # clean-image guides: the digits assets the presets name
+    guidance = ClassifierGuidance(mode=mode, classifier=str(tiny_guide if mode == "noisy" else asset_path(shipped[mode])))
     guidance.use_pipeline(pipe)
     guidance.attach(pipe.unet)
     guidance.detach()
@@ -449,6 +450,19 @@ def test_guided_noise_prediction_is_the_papers_formula_and_scale_0_is_unguided(p
     assert torch.equal(_sample(pipe, zero, 6, "ddim")[0], _sample(pipe, None, 6, "ddim")[0])
 
 
+@pytest.mark.parametrize("name, mode, asset", [("classifier", "noisy", "noisy_classifier"),
+                                              ("classifier_x0", "x0", "classifier"), ("classifier_clip", "clip", "clip")])
+def test_the_guide_comes_from_the_preset(name, mode, asset):
+    """The generic accelerator names no guide of its own: each preset names the shipped digits asset of its mode."""
+    from distill.accelerate import accelerator_options
+    from distill.config.resolvers import register_resolvers
+
+    register_resolvers()
+    guide = preset(name)
+    assert (guide.mode, guide.path) == (mode, str(asset_path(asset)))
+    assert accelerator_options(name)["options"]["classifier"] == str(asset_path(asset))
+
+
 def test_a_guide_that_does_not_fit_the_latents_is_refused(pipe, tmp_path):
     from distill.accelerate import ClassifierGuidance
     from distill.models.noisy_classifier import NoisyLatentClassifier
@@ -460,6 +474,8 @@ def test_a_guide_that_does_not_fit_the_latents_is_refused(pipe, tmp_path):
         guidance.attach(pipe.unet)
     with pytest.raises(ValueError, match="accelerate.options.scale=-1"):
         ClassifierGuidance(scale=-1)
+    with pytest.raises(ValueError, match="accelerate.options.classifier is not set: give the folder of a Noisy"):
+        ClassifierGuidance()
     with pytest.raises(FileNotFoundError, match="accelerate.options.classifier="):
         ClassifierGuidance(classifier=str(tmp_path / "none")).attach(pipe.unet)
     proc = _evaluate(tmp_path / "cli", "accelerate=classifier", f"accelerate.options.classifier={tmp_path}",
@@ -507,7 +523,7 @@ def test_x0_guidance_under_cfg_adds_one_term_from_the_guided_prediction(pipe, ti
     text = torch.randn(4, 16, unet.config.cross_attention_dim, generator=generator)
     with torch.no_grad():
         plain = unet(x, t, encoder_hidden_states=text).sample
-    guidance = ClassifierGuidance(scale=0.1, mode="x0")  # the digits classifier on the decoded x0
+    guidance = ClassifierGuidance(scale=0.1, mode="x0", classifier=str(asset_path("classifier")))  # on the decoded x0
     guidance.use_pipeline(pipe)  # diffusers' CFG batch: [unconditional, conditional]
     guidance.use_scheduler("ddim", 3.0)
     guidance.use_labels(torch.tensor([2, 9]))
@@ -530,7 +546,7 @@ def test_x0_guidance_runs_in_bfloat16(pipe, tiny_guide):
 
     half = copy.deepcopy(pipe).to(dtype=torch.bfloat16)
     half.set_progress_bar_config(disable=True)
-    for mode, path in (("x0", None), ("noisy", str(tiny_guide))):
+    for mode, path in (("x0", str(asset_path("classifier"))), ("noisy", str(tiny_guide))):
         guidance = ClassifierGuidance(scale=0.1, mode=mode, classifier=path, labels=[1, 4])
         with accelerated(half, guidance):
             images = half(PROMPTS, num_inference_steps=3, generator=torch.Generator().manual_seed(0),
@@ -557,7 +573,8 @@ def test_clip_guidance_steers_empty_prompts_towards_their_captions(pipe):
         with torch.no_grad():
             return (judge(images * 2 - 1).argmax(1) == labels).float().mean().item()
 
-    assert accuracy(None) < 0.3 < 0.4 < accuracy(ClassifierGuidance(scale=0.03, mode="clip"))
+    assert accuracy(None) < 0.3 < 0.4 < accuracy(ClassifierGuidance(scale=0.03, mode="clip",
+                                                                          classifier=str(asset_path("clip"))))
 
 
 def test_a_chains_nonuniform_cache_schedules_the_calls_the_forecast_computes():

@@ -442,7 +442,8 @@ def test_a_classifier_guide_without_labels_is_refused(pipe):
     from distill.accelerate import ClassifierGuidance
 
     with pytest.raises(ValueError, match="accelerate.options.labels"):
-        make_engine(pipe, mode="pipeline", accelerator=ClassifierGuidance(scale=1.0, mode="noisy"))
+        make_engine(pipe, mode="pipeline", accelerator=ClassifierGuidance(
+            scale=1.0, mode="noisy", classifier=str(asset_path("noisy_classifier"))))
 
 
 def _start_server(*overrides: str) -> tuple[subprocess.Popen, str]:

@@ -39,7 +39,7 @@ def accelerator_options(name: str) -> dict:
     if not path.is_file():
         presets = sorted(p.stem for p in ACCELERATE_CONF.glob("*.yaml"))
         raise ValueError(f"accelerator {name!r} is unknown; use one of {presets}")
-    node = OmegaConf.to_container(OmegaConf.load(path))
+    node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # a guide named by ${distill.asset:...}
     return {"kind": node.get("kind", name), "options": dict(node.get("options") or {})}
 
 

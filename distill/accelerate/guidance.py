@@ -3,14 +3,16 @@ classifier's log p(y | x_t), added to the noise prediction,
 
     eps <- eps - sqrt(1 - abar_t) * s * grad_x log p(y | x_t)        (their Algorithm 2, eps form)
 
-``mode=noisy`` takes the gradient of a noise-aware classifier of latents (``NoisyLatentClassifier``, the
-digits asset ``noisy_classifier`` by default). ``mode=x0`` needs no noise-aware model: it scores the decoded
+``mode=noisy`` takes the gradient of a noise-aware classifier of latents (``NoisyLatentClassifier``).
+``mode=x0`` needs no noise-aware model: it scores the decoded
 prediction of the clean image, x0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t), with a classifier of clean
-images (the digits FID classifier by default) and carries the gradient back to x_t through x0 with eps held
+images and carries the gradient back to x_t through x0 with eps held
 fixed (grad_x = grad_x0 / sqrt(abar_t)), the usual approximation of guidance through the predicted x0.
 ``mode=clip`` does the same with a CLIP model's score of the decoded x0 against each sample's prompt,
-100 cos(image, prompt) (CLIPScore's scale; the digits CLIP asset by default, which also computes the CLIP score
-metric, so that metric then judges the guide by itself; FID and prompt accuracy do not).
+100 cos(image, prompt) (CLIPScore's scale). The guide is a folder (``classifier``); the presets
+``conf/accelerate/classifier*.yaml`` name the shipped ones. A guide that is also the evaluation's network (the
+CLIP of the CLIP score, the classifier of prompt accuracy and FID features) makes those numbers judge the guide
+by itself.
 
 It is an alternative to classifier-free guidance (one UNet pass a step instead of two, plus the classifier's
 forward and backward), and combines with it: under CFG the UNet batch holds the unconditional and conditional
@@ -23,27 +25,23 @@ label is unknown (-1) is sampled unguided. Labels and prompts come from the samp
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
 from distill.accelerate.base import Accelerator, add_hook, like_output, output_tensor, remove_hook
 
-log = logging.getLogger(__name__)
 HOOK = "distill_classifier_guidance"
 MODES = ("noisy", "x0", "clip")
-DEFAULT_ASSET = {"noisy": "noisy_classifier", "x0": "classifier", "clip": "clip"}
+GUIDE_KINDS = {"noisy": "NoisyLatentClassifier", "x0": "DigitClassifier", "clip": "CLIP model"}
 
 
-def load_guide(mode: str, path: str | None):
-    """The guide of ``mode`` from ``path`` (default: the digits asset), in eval mode: a ``NoisyLatentClassifier``,
-    a ``DigitClassifier``, or a (CLIPModel, CLIPTokenizer) pair."""
-    from distill.assets import asset_path
-
-    folder = Path(path) if path is not None else asset_path(DEFAULT_ASSET[mode])
+def load_guide(mode: str, path: str):
+    """The guide of ``mode`` from ``path``, in eval mode: a ``NoisyLatentClassifier``, a ``DigitClassifier``, or a
+    (CLIPModel, CLIPTokenizer) pair."""
+    folder = Path(path)
     if not (folder / "config.json").is_file():
-        kind = {"noisy": "NoisyLatentClassifier", "x0": "DigitClassifier", "clip": "CLIP model"}[mode]
+        kind = GUIDE_KINDS[mode]
         raise FileNotFoundError(f"accelerate.options.classifier={str(folder)!r} holds no config.json; give the "
                                 f"folder of a {kind}")
     if mode == "noisy":
@@ -72,6 +70,9 @@ class ClassifierGuidance(Accelerator):
             raise ValueError(f"accelerate.options.scale={scale!r} must be a number >= 0 (0 = unguided)")
         if mode not in MODES:
             raise ValueError(f"accelerate.options.mode={mode!r} is not one of {list(MODES)}")
+        if classifier is None:
+            raise ValueError(f"accelerate.options.classifier is not set: give the folder of a {GUIDE_KINDS[mode]} "
+                             "(the presets accelerate=classifier, classifier_x0, classifier_clip name the shipped ones)")
         self.scale, self.mode, self.path = float(scale), mode, classifier
         self.fixed_labels = None if labels is None else torch.as_tensor(list(labels), dtype=torch.long)
         self.labels = self.fixed_labels
@@ -79,10 +80,6 @@ class ClassifierGuidance(Accelerator):
         self.prompts, self._text = self.fixed_prompts, None
         self.classifier, self.alphas_cumprod, self.vae, self.pipe = None, None, None, None
         self.guidance_scale, self.uncond_first = None, True
-        if mode == "x0" and classifier is None:
-            log.warning("accelerate=classifier mode=x0 guides with the digits classifier, the network that also "
-                        "gives the digits' FID features and prompt accuracy: those numbers then judge the guide by "
-                        "itself; give an independent classifier (accelerate.options.classifier=...) to measure it")
 
     def describe(self) -> str:
         return f"classifier({self.mode},s={self.scale:g})"
