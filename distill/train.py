@@ -319,11 +319,12 @@ def _attach_quality_cost(trainer, run_dir: Path) -> None:
     they measured (the final export, and every progressive round's)."""
     from distill.callbacks.quality_cost import QualityCostCallback
     from distill.inference.model_card import attach_quality_cost
+    from distill.metrics.report import format_table
 
     history = [row for c in trainer.callbacks if isinstance(c, QualityCostCallback) for row in c.history]
     if history:
         for folder in [run_dir / "export", *sorted((run_dir / "rounds").glob("*-steps"))]:
-            attach_quality_cost(folder, history)
+            attach_quality_cost(folder, history, format_table)
 
 
 def check_objectives(cfg: DictConfig) -> None:

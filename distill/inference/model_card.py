@@ -7,9 +7,11 @@ was distilled, and the quality-cost rows measured for this student during traini
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 INFO_FILE = "distill.json"
+NOT_MEASURED = "Not measured during training (no quality-cost callback ran)."
 
 
 def call_info(scheduler: str, scheduler_class: str, num_inference_steps: int, guidance_scale: float,
@@ -22,11 +24,12 @@ def call_info(scheduler: str, scheduler_class: str, num_inference_steps: int, gu
             "guidance_scale": float(guidance_scale), "nfe_per_step": 2 if cfg_pass else 1}
 
 
-def write_export_info(out_dir: str | Path, info: dict) -> Path:
-    """Write ``info`` to ``out_dir/distill.json`` and the model card rendered from it to ``out_dir/README.md``."""
+def write_export_info(out_dir: str | Path, info: dict, quality_table: str | None = None) -> Path:
+    """Write ``info`` to ``out_dir/distill.json`` and the model card rendered from it to ``out_dir/README.md``;
+    ``quality_table``: the measured quality-cost rows as the command renders them (none: not measured)."""
     out_dir = Path(out_dir)
     (out_dir / INFO_FILE).write_text(json.dumps(info, indent=2))
-    (out_dir / "README.md").write_text(model_card(info))
+    (out_dir / "README.md").write_text(model_card(info, quality_table))
     return out_dir
 
 
@@ -43,14 +46,15 @@ def rows_of_export(history: list[dict], num_inference_steps: int) -> list[dict]:
     return [r for r in history if steps and r.get("step") == max(steps)]
 
 
-def attach_quality_cost(folder: str | Path, history: list[dict]) -> list[dict]:
-    """Add the quality-cost rows of this export (``rows_of_export``) to its distill.json and model card."""
+def attach_quality_cost(folder: str | Path, history: list[dict], render_table: Callable[[list[dict]], str]) -> list[dict]:
+    """Add the quality-cost rows of this export (``rows_of_export``) to its distill.json and, rendered by
+    ``render_table`` (the command's table of the rows), to its model card."""
     info = read_export_info(folder)
     if not info:
         return []
     rows = rows_of_export(history, info["sampling"]["num_inference_steps"])
     if rows:
-        write_export_info(folder, dict(info, quality_cost=rows))
+        write_export_info(folder, dict(info, quality_cost=rows), render_table(rows))
     return rows
 
 
@@ -80,16 +84,14 @@ def _safety_note(info: dict) -> str:
             "loads the folder without it.\n")
 
 
-def model_card(info: dict) -> str:
-    """A Hugging Face model card: the intended call, loading, how guidance was distilled, measured rows."""
-    from distill.metrics.report import format_table
-
+def model_card(info: dict, quality_table: str | None = None) -> str:
+    """A Hugging Face model card: the intended call, loading, how guidance was distilled, the measured rows
+    (``quality_table``, rendered by the command that measured them)."""
     call = info["sampling"]
     steps, guidance, nfe = call["num_inference_steps"], call["guidance_scale"], call["nfe_per_step"]
     teacher = f" from the teacher `{info['teacher']}`" if info.get("teacher") else ""
     tag = "unconditional-image-generation" if info.get("conditioning") == "class" else "text-to-image"
-    rows = info.get("quality_cost") or []
-    quality = format_table(rows) if rows else "Not measured during training (no quality-cost callback ran)."
+    quality = quality_table or NOT_MEASURED
     return f"""---
 library_name: diffusers
 pipeline_tag: {tag}
