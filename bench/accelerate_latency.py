@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     from distill.assets import asset_path
     from distill.inference.loading import load_pipeline, pipeline_defaults
     from distill.inference.schedulers import make_scheduler, scheduler_options
-    from distill.metrics.cost import NFECounter, count_flops
+    from distill.metrics.cost import NFECounter
+    from distill.utils.flops import count_flops
 
     paths = {"teacher": args.teacher or str(asset_path("teacher")), "lcm": args.lcm}
     pipes = {k: load_pipeline(p) for k, p in paths.items() if p and any(v["pipeline"] == k for v in variants)}

@@ -26,7 +26,7 @@ export's own intended call is not used), a fixed generator and ``output_type="pt
 
 * params: parameters the UNet holds (``qkv`` keeps to_q/to_k/to_v next to the fused to_qkv, so it holds more than
   it uses); GFLOPs/UNet call: one forward of one sample at the tokenizer's text length
-  (``distill.metrics.cost.count_flops``, torch's flop counter: matmuls, attention, convolutions);
+  (``distill.utils.flops.count_flops``, torch's flop counter: matmuls, attention, convolutions);
 * UNet ms batch B: one forward on B x (UNet evaluations per step) samples, as a sampling step at batch B runs
   it (CFG at guidance_scale > 1: 2B), with a 0-d timestep as the pipeline passes it;
 * sample ms/image batch B: one pipeline call for B images (text encoder, every step, VAE decode) divided by B;
@@ -76,7 +76,8 @@ from distill.compress.fusion import fuse_unet
 from distill.compress.lowrank import lowrank_unet
 from distill.compress.prune import prune_unet, unet_example_inputs
 from distill.inference.loading import load_pipeline
-from distill.metrics.cost import NFECounter, count_flops
+from distill.metrics.cost import NFECounter
+from distill.utils.flops import count_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VARIANTS = ["teacher", "pruned30", "pruned50", "pruned70", "lowrank50", "lowrank25", "qkv", "channels_last",

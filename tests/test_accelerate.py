@@ -20,7 +20,8 @@ from distill.accelerate.forecast import (
     save_forecasters,
 )
 from distill.assets import asset_path
-from distill.metrics.cost import NFECounter, count_flops
+from distill.metrics.cost import NFECounter
+from distill.utils.flops import count_flops
 
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
 

@@ -24,7 +24,7 @@ from distill.compress.prune import (
     sparsify_unet,
     unet_example_inputs,
 )
-from distill.metrics.cost import count_flops
+from distill.utils.flops import count_flops
 
 PROMPT = "a handwritten digit seven"
 BLOCKS = ("down_blocks.0", "down_blocks.1", "down_blocks.2", "mid_block", "up_blocks.0", "up_blocks.1", "up_blocks.2")

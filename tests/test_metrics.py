@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from distill.data import DigitsDataModule
-from distill.metrics.cost import NFECounter, count_flops, measure_cost
+from distill.metrics.cost import NFECounter, measure_cost
 from distill.metrics.fid import FID, FeatureNet, frechet_distance, gaussian_statistics
 from distill.metrics.registry import proportion_standard_error, standard_error
 from distill.metrics.report import (
@@ -17,6 +17,7 @@ from distill.metrics.report import (
     pareto_front,
     write_csv,
 )
+from distill.utils.flops import count_flops
 
 
 class RandomFeatures(nn.Module):

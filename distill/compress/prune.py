@@ -68,7 +68,7 @@ from torch import nn
 
 from distill.diffusion.losses import diffusion_loss
 from distill.diffusion.parametrization import prediction_target
-from distill.metrics.cost import count_flops
+from distill.utils.flops import count_flops
 
 # DiffusionPipeline.from_pretrained looks the loadable base classes (ModelMixin) up in the namespace of the
 # library that model_index.json names for a component -- this module -- hence the import above.

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from distill.utils.flops import count_flops
+
 
 class NFECounter:
     """Counts forward calls of a network, and the examples passing through them, with a forward hook
@@ -82,32 +84,6 @@ class _PeakRSS:
     @property
     def peak_mb(self) -> float:
         return self.peak / 2**20
-
-
-def _cpu_attention_formulas() -> dict:
-    """Flop counter rules for the CPU attention kernel, which torch leaves uncounted (QK^T and AV at 0 FLOPs,
-    4.7% of the digits teacher's forward), with the formulas torch uses for its CUDA kernels (2 B H Lq Lk D for
-    QK^T plus 2 B H Lq Lk Dv for AV; backward: the gradients of both and the recomputed scores)."""
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
-    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:  # arguments as shapes
-        return sdpa_flop_count(query, key, value)
-
-    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-        return sdpa_backward_flop_count(grad_out, query, key, value)
-
-    aten = torch.ops.aten
-    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
-
-
-def count_flops(fn: Callable[[], object]) -> int:
-    """Total FLOPs of one call of ``fn`` (torch.utils.flop_counter: matmuls, convolutions and attention)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False, custom_mapping=_cpu_attention_formulas()) as counter:
-        fn()
-    return counter.get_total_flops()
 
 
 def measure_cost(
