@@ -17,7 +17,7 @@ import torch
 
 from distill.assets import asset_path
 from distill.data import DigitsDataModule
-from distill.diffusion import alpha_sigma, ddim_step, guidance_condition
+from distill.diffusion import ddim_step, guidance_condition
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.models.students import copy_student
 from distill.models.teacher import load_teacher
@@ -58,8 +58,7 @@ def main() -> None:
 
     def teacher_and_solver():
         x0_w, eps_w = method._teacher(x0, t, cond, uncond, w)
-        alpha_prev, sigma_prev = alpha_sigma(method.alphas_cumprod, (t - method.skip).clamp(min=0), x0.ndim)
-        return ddim_step(x0_w, eps_w, alpha_prev, sigma_prev)
+        return ddim_step(x0_w, eps_w, *method.schedule.alpha_sigma((t - method.skip).clamp(min=0), x0.ndim))
 
     def full():
         optimizer.zero_grad(set_to_none=True)

@@ -10,6 +10,7 @@ from diffusers import CMStochasticIterativeScheduler, DDPMScheduler
 from scipy.stats import norm
 
 from distill.diffusion import consistency_training as ct
+from distill.diffusion.schedules import vp_sigmas, vp_timestep
 
 
 def test_karras_sigmas_formula_and_endpoints():
@@ -83,13 +84,13 @@ def test_ect_loss_is_the_weighted_l2_norm_and_pseudo_huber():
 
 def test_vp_schedule_in_the_ve_view():
     sched = DDPMScheduler(num_train_timesteps=1000)
-    sigmas = ct.vp_sigmas(sched.alphas_cumprod)
+    sigmas = vp_sigmas(sched.alphas_cumprod)
     a = sched.alphas_cumprod.double()
     # x_t = sqrt(a) x0 + sqrt(1-a) eps  ->  x_t / sqrt(a) = x0 + sigma eps
     assert torch.allclose(sigmas, ((1 - a) / a).sqrt())
-    t = ct.vp_timestep(sigmas[[0, 10, 500, 999]], sigmas)
+    t = vp_timestep(sigmas[[0, 10, 500, 999]], sigmas)
     assert torch.allclose(t, torch.tensor([0.0, 10.0, 500.0, 999.0], dtype=torch.float64))
-    mid = ct.vp_timestep((sigmas[10] * sigmas[11]).sqrt().unsqueeze(0), sigmas)  # halfway in log sigma
+    mid = vp_timestep((sigmas[10] * sigmas[11]).sqrt().unsqueeze(0), sigmas)  # halfway in log sigma
     assert abs(mid.item() - 10.5) < 1e-9
 
 
@@ -134,7 +135,7 @@ def test_export_samples_one_step_with_exactly_the_training_parametrisation(tiny_
             sigma = torch.tensor([method.sigma_max], dtype=torch.float64)
             x = z * method.sigma_max  # the scheduler's init_noise_sigma
         else:
-            sigma = method.vp_sigmas[-1:].clone()  # LCMScheduler's single step is at t = T - 1
+            sigma = method.schedule.ve_sigmas[-1:].clone()  # LCMScheduler's single step is at t = T - 1
             x = z * (1 + sigma.float() ** 2).sqrt()  # the VP sample z in the VE view
         want = method._consistency_fn(method.student, x, sigma, cond)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -158,7 +159,7 @@ def test_ect_consistency_function_converts_each_prediction_type_to_x0(tiny_sd, p
 
     x = x0 + sigma.float().view(-1, 1, 1, 1) * eps
     f = method._consistency_fn(Oracle(), x, sigma, None)
-    tau = ct.vp_timestep(sigma, method.vp_sigmas)
+    tau = vp_timestep(sigma, method.schedule.ve_sigmas)
     from distill.diffusion.consistency import boundary_scalings
 
     c_skip, c_out = boundary_scalings(tau.float(), 0.5, 10.0)
@@ -179,7 +180,7 @@ def test_ect_pairs_follow_the_mapping_and_ict_pairs_the_curriculum(tiny_sd):
     method = _method(tiny_sd, "ect")
     g = torch.Generator().manual_seed(0)
     r, t, _, _ = method.ect_pairs(4096, 25, g)  # step 25 of curriculum_steps=100 in 8 stages: stage floor(2.0) = 2
-    assert torch.all(t >= method.vp_sigmas[1]) and torch.all(t <= method.vp_sigmas[-1])
+    assert torch.all(t >= method.schedule.ve_sigmas[1]) and torch.all(t <= method.schedule.ve_sigmas[-1])
     assert torch.allclose(r, ct.ect_r(t, 2))
     method = _method(tiny_sd, "ict")
     lo, hi, _, _ = method.ict_pairs(4096, 0, g)
@@ -334,7 +335,8 @@ def test_ect_loss_value_and_gradient_computed_by_hand(tiny_sd, step, max_steps):
     g = torch.Generator().manual_seed(seed)
     torch.randn(mean.shape, generator=g)  # the posterior draw (std 0: x0 is the mean)
     x0 = mean * method.vae.config.scaling_factor
-    sigmas = ((1 - method.alphas_cumprod.double()) / method.alphas_cumprod.double()).sqrt().numpy()
+    abar = DDPMScheduler.from_config(method.noise_scheduler_config).alphas_cumprod.double()  # the teacher's table
+    sigmas = ((1 - abar) / abar).sqrt().numpy()
     lo, hi = sigmas[1], sigmas[-1]
     a, b = (norm.cdf((np.log(v) + 1.1) / 2.0) for v in (lo, hi))
     u = torch.rand(n, generator=g, dtype=torch.float64).numpy()

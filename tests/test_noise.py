@@ -315,7 +315,7 @@ def test_methods_draw_with_the_options_and_feed_the_adaptive_history(tiny_sd):
     g = torch.Generator().manual_seed(0)
     eps = method.draw_noise(torch.zeros(6, 4, 8, 8), g)
     assert torch.equal(eps[3:], -eps[:3])
-    bins, w = method.draw_time_bins(20, method.time_sigmas, g)
+    bins, w = method.draw_time_bins(20, method.schedule.ve_sigmas[method.solver_timesteps], g)
     assert sorted(bins[:10].tolist()) == list(range(10)) and torch.equal(bins[10:], bins[:10]) and w is not None
     batch = {"pixel_values": torch.rand(20, 1, 32, 32) * 2 - 1, "caption": ["a handwritten digit one"] * 20}
     assert torch.isfinite(method.loss(batch, g))
@@ -325,7 +325,7 @@ def test_methods_draw_with_the_options_and_feed_the_adaptive_history(tiny_sd):
     assert float(q.min()) >= 0.01 - 1e-12
     assert torch.isfinite(method.loss(batch, g)) and int(method._time_sampler.counts.sum()) == 40
     method.eval()
-    bins, w = method.draw_time_bins(10, method.time_sigmas, g)
+    bins, w = method.draw_time_bins(10, method.schedule.ve_sigmas[method.solver_timesteps], g)
     assert w is None and sorted(bins.tolist()) == list(range(10))
     eps = method.draw_noise(torch.zeros(6, 4, 8, 8), g)
     assert not torch.allclose(eps[3:], -eps[:3])

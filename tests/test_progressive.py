@@ -100,7 +100,7 @@ def test_guided_stage_target_is_the_per_sample_cfg_of_the_teacher(tiny_sd):
     cond, uncond = torch.randn(3, 7, 32, generator=g), torch.randn(3, 7, 32, generator=g)
     scale = torch.tensor([2.0, 3.0, 4.0])
     x0, eps = method._teacher_x0_eps(x, t, cond, uncond, scale, {})
-    a, s = method._alpha_sigma(t)
+    a, s = method.schedule.alpha_sigma(t, 4)
     for k in range(3):  # CFG computed directly, one sample at a time, in the teacher's eps space
         with torch.no_grad():
             e_c = method.teacher_unet(x[k:k + 1], t[k:k + 1], encoder_hidden_states=cond[k:k + 1]).sample
@@ -176,6 +176,6 @@ def test_exported_scheduler_visits_the_training_pairs_for_every_step_count(tiny_
         # student step i -> i - 1 = teacher steps 2i -> 2i - 2 on the grid twice as fine (ProgressiveDistillation.loss)
         trained = list(zip(method._times(2 * i, 2 * steps).tolist(), method._times(2 * i - 2, 2 * steps).tolist()))
         scheduler.set_timesteps(steps)
-        visited = [_visited_pair(scheduler, t, method.abar) for t in scheduler.timesteps]
+        visited = [_visited_pair(scheduler, t, method.schedule.abar) for t in scheduler.timesteps]
         assert visited == trained, steps
         assert visited[-1][1] == T  # the last step reaches the clean sample (alpha 1, sigma 0)

@@ -121,23 +121,3 @@ def ect_loss(pred: torch.Tensor, target: torch.Tensor, t: torch.Tensor, r: torch
     sq = (pred.float() - target.float()).pow(2).flatten(1).sum(1)
     return ((sq + c ** 2).sqrt() - c) / (t - r).to(sq.dtype)
 
-
-# --------------------------------------------------------------------------- VP teachers in the VE view
-
-
-def vp_sigmas(alphas_cumprod: torch.Tensor) -> torch.Tensor:
-    """sigma(t) = sqrt((1 - alpha_bar_t) / alpha_bar_t) of a discrete VP schedule, for t = 0..T-1: x_t / alpha_t =
-    x0 + sigma(t) eps, the VE view of a DDPM teacher (what ECT tunes, through EDM's VP preconditioning)."""
-    a = alphas_cumprod.double()
-    return ((1 - a) / a).sqrt()
-
-
-def vp_timestep(sigma: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """The continuous timestep of a discrete VP schedule at noise level ``sigma``: linear interpolation of t in
-    log sigma between the schedule's levels (clamped to [0, T-1]); what a VP network takes as its time input."""
-    log_s = sigmas.log().to(sigma.device)
-    x = sigma.double().clamp(min=float(sigmas[0]), max=float(sigmas[-1])).log()
-    idx = torch.searchsorted(log_s, x).clamp(1, len(log_s) - 1)
-    lo, hi = log_s[idx - 1], log_s[idx]
-    frac = ((x - lo) / (hi - lo)).clamp(0, 1)
-    return (idx - 1).double() + frac

@@ -11,7 +11,7 @@ import torch
 PREDICTION_TYPES = ("epsilon", "sample", "v_prediction")
 
 
-def _check(prediction_type: str) -> None:
+def check_prediction_type(prediction_type: str) -> None:
     if prediction_type not in PREDICTION_TYPES:
         raise ValueError(
             f"prediction_type={prediction_type!r} is not supported; use one of {PREDICTION_TYPES}"
@@ -22,7 +22,7 @@ def prediction_target(
     prediction_type: str, x0: torch.Tensor, eps: torch.Tensor, alpha: torch.Tensor, sigma: torch.Tensor
 ) -> torch.Tensor:
     """The regression target of the network for each parametrisation."""
-    _check(prediction_type)
+    check_prediction_type(prediction_type)
     if prediction_type == "epsilon":
         return eps
     if prediction_type == "sample":
@@ -34,7 +34,7 @@ def to_x0_eps(
     prediction_type: str, pred: torch.Tensor, x_t: torch.Tensor, alpha: torch.Tensor, sigma: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Recover (x0, eps) from a network output, using alpha_t^2 + sigma_t^2 = 1."""
-    _check(prediction_type)
+    check_prediction_type(prediction_type)
     if prediction_type == "epsilon":
         return (x_t - sigma * pred) / alpha, pred
     if prediction_type == "sample":

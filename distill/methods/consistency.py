@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from distill.diffusion import add_noise, alpha_sigma, cfg, ddim_step, guidance_condition, to_x0_eps
+from distill.diffusion import cfg, ddim_step, guidance_condition
 from distill.diffusion.consistency import (
     boundary_scalings,
     check_consistency_loss,
@@ -15,7 +15,6 @@ from distill.diffusion.consistency import (
     consistency_output,
     ddim_timesteps,
 )
-from distill.diffusion.consistency_training import vp_sigmas
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
 from distill.models.teacher import Teacher
@@ -51,7 +50,6 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=guidance_scale_min,
                          guidance_scale_max=guidance_scale_max, cache_prompts=cache_prompts, **speed)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
-        self.prediction_type = teacher.prediction_type
         if self.is_lora and ema_decay > 0:
             raise ValueError("a LoRA student trains against a stop-gradient target; set method.ema_decay=0")
         # ema_decay = 0: the target is the student itself under stop-gradient (no copy kept).
@@ -64,9 +62,6 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         T = teacher.scheduler.config.num_train_timesteps
         self.skip = T // num_ddim_timesteps
         self.register_buffer("solver_timesteps", ddim_timesteps(T, num_ddim_timesteps), persistent=False)
-        self.register_buffer("alphas_cumprod", teacher.scheduler.alphas_cumprod.clone().float(), persistent=False)
-        sigmas = vp_sigmas(teacher.scheduler.alphas_cumprod)[self.solver_timesteps]
-        self.register_buffer("time_sigmas", sigmas.float(), persistent=False)  # noise level of each grid point
 
     method_name = "consistency"
 
@@ -83,16 +78,14 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
 
     def _teacher(self, x_t, t, cond, uncond, w):
         """Guided teacher (x0, eps) at (x_t, t), guided in (x0, eps) with LCM's w (Luo et al. 2023, sec. 4.2)."""
-        alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x_t.ndim)
         out_c, out_u = self.teacher_cond_uncond(x_t, t, cond, uncond)
-        x0_c, eps_c = to_x0_eps(self.prediction_type, out_c, x_t, alpha, sigma)
-        x0_u, eps_u = to_x0_eps(self.prediction_type, out_u, x_t, alpha, sigma)
+        x0_c, eps_c = self.schedule.to_x0_eps(out_c, x_t, t)
+        x0_u, eps_u = self.schedule.to_x0_eps(out_u, x_t, t)
         return cfg(x0_c, x0_u, w=w), cfg(eps_c, eps_u, w=w)
 
     def _consistency_fn(self, net, x_t, t, cond, w_kwargs):
-        alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x_t.ndim)
         out = net(x_t, t, encoder_hidden_states=cond, **w_kwargs).sample
-        x0, _ = to_x0_eps(self.prediction_type, out, x_t, alpha, sigma)
+        x0, _ = self.schedule.to_x0_eps(out, x_t, t)
         c_skip, c_out = boundary_scalings(t, self.sigma_data, self.timestep_scaling)
         return consistency_output(x_t, x0, c_skip, c_out)
 
@@ -102,7 +95,8 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)  # (N, 4, h, w)
         n, device = x0.shape[0], x0.device
-        bins, iw = self.draw_time_bins(n, self.time_sigmas, generator)
+        # one bin per grid point t_n, by its noise level
+        bins, iw = self.draw_time_bins(n, self.schedule.ve_sigmas[self.solver_timesteps].float(), generator)
         t = self.solver_timesteps[bins.to(device)]  # t_n
         t_prev = (t - self.skip).clamp(min=0)  # t_{n-k}
         w = (self.guidance_scale_min - 1) + (self.guidance_scale_max - self.guidance_scale_min) * torch.rand(n, generator=generator)
@@ -111,13 +105,11 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         cond, uncond = self.text_conditions(batch, n, device)
 
         eps = self.draw_noise(x0, generator)
-        alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x0.ndim)
-        x_t = add_noise(x0, eps, alpha, sigma)
+        x_t = self.schedule.add_noise(x0, eps, t)
         f_student = self._consistency_fn(self.student, x_t, t, cond, w_kwargs)
         with torch.no_grad():
             x0_w, eps_w = self._teacher(x_t, t, cond, uncond, w)
-            alpha_prev, sigma_prev = alpha_sigma(self.alphas_cumprod, t_prev, x0.ndim)
-            x_prev = ddim_step(x0_w, eps_w, alpha_prev, sigma_prev)
+            x_prev = ddim_step(x0_w, eps_w, *self.schedule.alpha_sigma(t_prev, x0.ndim))
             target = self.target if self.target is not None else self.student
             # the target runs at the student's precision (frozen_dtype is the teacher's): the residual
             # f_student - f_target must compare like with like; the student's own routing record trains

@@ -101,11 +101,8 @@ class ConsistencyTraining(TeacherStudentDistillation):
         self.curriculum_steps, self.huber_c = curriculum_steps, huber_c
         self.q, self.k, self.b, self.stages, self.ect_c = q, k, b, stages, ect_c
         self.timestep_scaling = timestep_scaling
-        self.prediction_type = teacher.prediction_type
         default = {"name": "cm" if variant == "ict" else "lcm", "num_inference_steps": 2, "guidance_scale": 1.0}
         self.sampling = dict(sampling or default)
-        self.register_buffer("alphas_cumprod", teacher.scheduler.alphas_cumprod.clone().float(), persistent=False)
-        self.register_buffer("vp_sigmas", ct.vp_sigmas(teacher.scheduler.alphas_cumprod), persistent=False)
 
     # ------------------------------------------------------------------ networks
 
@@ -120,11 +117,11 @@ class ConsistencyTraining(TeacherStudentDistillation):
             c_in, c_noise = ct.edm_input_scalings(sigma.double(), self.sigma_data)
             out = net((x * c_in.to(x).view(shape)), c_noise.float(), encoder_hidden_states=cond).sample
             return c_skip.to(x).view(shape) * x + c_out.to(x).view(shape) * out.float()
-        tau = ct.vp_timestep(sigma, self.vp_sigmas)
-        alpha = (1 / (1 + sigma.double() ** 2).sqrt()).to(x).view(shape)
+        tau = self.schedule.timestep_at(sigma)
+        alpha, sigma_vp = self.schedule.alpha_sigma_at(sigma, x)
         x_vp = x * alpha
         out = net(x_vp, tau.float(), encoder_hidden_states=cond).sample.float()
-        x0, _ = to_x0_eps(self.prediction_type, out, x_vp, alpha, (1 - alpha ** 2).sqrt())
+        x0, _ = to_x0_eps(self.schedule.prediction_type, out, x_vp, alpha, sigma_vp)
         c_skip, c_out = boundary_scalings(tau.to(x), 0.5, self.timestep_scaling)
         return consistency_output(x_vp, x0, c_skip, c_out)
 
@@ -152,8 +149,9 @@ class ConsistencyTraining(TeacherStudentDistillation):
         nothing), at stratified quantiles with ``method.noise.stratified``; r = ECT's mapping of t."""
         m = self.distinct_rows(n)  # antithetic pairs: their partners repeat the times
         unit = stratified_unit(m, generator) if self.noise.stratified else None
-        t = self.paired(ct.truncated_lognormal_sigmas(m, float(self.vp_sigmas[1]), float(self.vp_sigmas[-1]),
-                                                      self.p_mean, self.p_std, generator, unit=unit), n)
+        levels = self.schedule.ve_sigmas
+        t = self.paired(ct.truncated_lognormal_sigmas(m, float(levels[1]), float(levels[-1]), self.p_mean, self.p_std,
+                                                      generator, unit=unit), n)
         # step 0 is stage 0 for any length (a loss called outside a Trainer has no max_steps to read)
         stage = ct.ect_stage(step, self._curriculum_total(), self.stages) if step else 0
         return ct.ect_r(t, stage, self.q, self.k, self.b), t, None, None

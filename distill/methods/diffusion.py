@@ -9,15 +9,7 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
-from distill.diffusion import (
-    add_noise,
-    alpha_sigma,
-    diffusion_loss,
-    prediction_target,
-    snr,
-    snr_weight,
-)
-from distill.diffusion.consistency_training import vp_sigmas
+from distill.diffusion import DiscreteVPSchedule, diffusion_loss, snr_weight
 from distill.diffusion.noise import edm_timestep_probabilities
 from distill.inference.schedulers import make_scheduler, scheduler_options
 from distill.methods.base import (
@@ -79,12 +71,11 @@ class DiffusionTraining(DistillMethod):
         self.cond_dropout = cond_dropout
         self.loss_weighting, self.snr_gamma = loss_weighting, snr_gamma
         self.sampling = dict(sampling or {"name": "ddim", "num_inference_steps": 50, "guidance_scale": 1.0})
-        self.register_buffer("alphas_cumprod", noise_scheduler.alphas_cumprod.clone().float(), persistent=False)
+        self.schedule = DiscreteVPSchedule.from_scheduler(noise_scheduler)  # what the loss noises with
         self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
-        self.register_buffer("time_sigmas", vp_sigmas(noise_scheduler.alphas_cumprod).float(), persistent=False)  # per timestep
         self.time_target = None  # the timesteps' distribution: uniform, or EDM's lognormal in sigma
         if loss_weighting == "edm":
-            sigmas = vp_sigmas(noise_scheduler.alphas_cumprod.double())
+            sigmas = self.schedule.ve_sigmas
             if not bool(torch.isfinite(sigmas).all()) or float(sigmas.min()) <= 0:
                 raise ValueError("method.loss_weighting=edm needs 0 < alpha_bar < 1 at every timestep (finite sigma); "
                                  "this schedule has zero terminal SNR (rescale_betas_zero_snr): set it to false or "
@@ -117,17 +108,16 @@ class DiffusionTraining(DistillMethod):
         batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)  # (N, C, H, W)
         n = x0.shape[0]
-        bins, iw = self.draw_time_bins(n, self.time_sigmas, generator, target=self.time_target)
+        bins, iw = self.draw_time_bins(n, self.schedule.ve_sigmas.float(), generator, target=self.time_target)
         t = bins.to(x0.device)
         eps = self.draw_noise(x0, generator)
         drop = self.paired(torch.rand(n, generator=generator) < self.cond_dropout) if drop_conditions else None
         cond = self.conditioner(batch, drop)
         cond = {k: v.to(x0.device) for k, v in cond.items()}
-        alpha, sigma = alpha_sigma(self.alphas_cumprod, t, x0.ndim)
-        x_t = add_noise(x0, eps, alpha, sigma)
+        x_t = self.schedule.add_noise(x0, eps, t)
         pred = self.denoise(x_t, t, **cond)
-        target = prediction_target(self.prediction_type, x0, eps, alpha, sigma)
-        weight = snr_weight(snr(alpha, sigma), self.prediction_type, self.loss_weighting, self.snr_gamma,
+        target = self.schedule.prediction_target(x0, eps, t)
+        weight = snr_weight(self.schedule.snr(t, x0.ndim), self.prediction_type, self.loss_weighting, self.snr_gamma,
                             sigma_data=self.noise.sigma_data)
         per_example = diffusion_loss(pred, target, weight, reduce=False)
         if self.training:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
+from distill.diffusion import DiscreteVPSchedule
 from distill.methods.base import (
     DistillMethod,
     encode_latents,
@@ -53,6 +54,7 @@ class TeacherStudentDistillation(DistillMethod):
         self.vae = teacher.vae.requires_grad_(False).eval()
         self.conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer, cache=cache_prompts)
         self.noise_scheduler_config = dict(teacher.scheduler.config)
+        self.schedule = DiscreteVPSchedule.from_scheduler(teacher.scheduler)  # what every loss noises and converts with
         self.student = make_student(student, teacher)
         if self.noise.preconditioning == "edm":
             self.student = self._edm_student(student, teacher)

@@ -25,8 +25,6 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
-from distill.diffusion import add_noise, alpha_sigma, prediction_target
-from distill.diffusion.consistency_training import vp_sigmas
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
@@ -106,10 +104,7 @@ class FeatureDistillation(TeacherStudentDistillation):
                              "student.time_cond_proj_dim=null")
         self.task_weight, self.output_weight, self.feature_weight = task_weight, output_weight, feature_weight
         self.cond_dropout = cond_dropout
-        self.prediction_type = teacher.prediction_type
         self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": 3.0, "num_inference_steps": 25})
-        self.register_buffer("alphas_cumprod", teacher.scheduler.alphas_cumprod.clone().float(), persistent=False)
-        self.register_buffer("time_sigmas", vp_sigmas(teacher.scheduler.alphas_cumprod).float(), persistent=False)  # per timestep
         self.num_train_timesteps = int(teacher.scheduler.config.num_train_timesteps)
         self.regressors = nn.ModuleDict()
         if feature_weight > 0:
@@ -147,18 +142,17 @@ class FeatureDistillation(TeacherStudentDistillation):
         n = x0.shape[0]
         drop = self.paired(torch.rand(n, generator=generator) < self.cond_dropout) if self.cond_dropout > 0 else None
         cond = self.conditioner(batch, drop)["encoder_hidden_states"]
-        bins, iw = self.draw_time_bins(n, self.time_sigmas, generator)
+        bins, iw = self.draw_time_bins(n, self.schedule.ve_sigmas.float(), generator)  # one bin per timestep
         t = bins.to(x0.device)
         eps = self.draw_noise(x0, generator)
-        a_t, s_t = alpha_sigma(self.alphas_cumprod, t, x0.ndim)
-        x_t = add_noise(x0, eps, a_t, s_t)
+        x_t = self.schedule.add_noise(x0, eps, t)
         teacher_out = self.teacher_forward(x_t, t, cond) if self.output_weight > 0 or self.feature_weight > 0 else None
         teacher_feats = self._teacher_rec.pop() if self.feature_weight > 0 else {}
         pred = self.student(x_t, t, encoder_hidden_states=cond).sample.float()
         def mse(a, b):  # per example: the importance weights (method.noise) apply per example
             return (a.float() - b.float()).pow(2).flatten(1).mean(1)
 
-        terms = {"task": mse(pred, prediction_target(self.prediction_type, x0, eps, a_t, s_t))}
+        terms = {"task": mse(pred, self.schedule.prediction_target(x0, eps, t))}
         if teacher_out is not None:
             terms["output"] = mse(pred, teacher_out)
         if self.feature_weight > 0:
@@ -216,6 +210,6 @@ class FeatureDistillation(TeacherStudentDistillation):
                 "unconditional branch per step.")
 
     def export_info(self) -> dict:
-        return {"prediction_type": self.prediction_type, "task_weight": self.task_weight,
+        return {"prediction_type": self.schedule.prediction_type, "task_weight": self.task_weight,
                 "output_weight": self.output_weight, "feature_weight": self.feature_weight,
                 "cond_dropout": self.cond_dropout}

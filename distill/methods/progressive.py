@@ -22,18 +22,7 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
-from distill.diffusion import (
-    add_noise,
-    cfg,
-    ddim_step,
-    diffusion_loss,
-    guidance_condition,
-    prediction_target,
-    snr,
-    snr_weight,
-    to_x0_eps,
-)
-from distill.diffusion.consistency_training import vp_sigmas
+from distill.diffusion import cfg, ddim_step, diffusion_loss, guidance_condition, snr_weight
 from distill.diffusion.progressive import progressive_x_target, round_schedule
 from distill.inference.schedulers import grid_timesteps
 from distill.methods.distillation import TeacherStudentDistillation
@@ -88,9 +77,6 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         default_w = guidance_scale if self.w_conditioned else 1.0
         self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": default_w})
         self.num_train_timesteps = teacher.scheduler.config.num_train_timesteps
-        # abar with a final entry 1.0 at index T: "t = -1" is the clean image (alpha 1, sigma 0)
-        abar = teacher.scheduler.alphas_cumprod.clone().float()
-        self.register_buffer("abar", torch.cat([abar, torch.ones(1)]), persistent=False)
         self.round_index = self.first_round
 
     # ------------------------------------------------------------------ rounds
@@ -156,10 +142,6 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         exported GridDDIMScheduler samples on the same grid."""
         return grid_timesteps(i, steps, self.num_train_timesteps)
 
-    def _alpha_sigma(self, t: torch.Tensor):
-        abar = self.abar[t].reshape(-1, 1, 1, 1)
-        return abar.sqrt(), (1 - abar).clamp(min=0).sqrt()
-
     def _scales(self, n: int, generator: torch.Generator | None) -> torch.Tensor:
         """Per-sample CFG scale: drawn from [min, max] for a w-conditioned student, else the fixed one."""
         if not self.w_conditioned:
@@ -171,19 +153,17 @@ class ProgressiveDistillation(TeacherStudentDistillation):
     def _teacher_x0_eps(self, x, t, cond, uncond, scale, w_kwargs):
         """The current teacher's (x0, eps) at (x, t): the original teacher with CFG at ``scale`` in the
         first round (or guided stage), later the previous student (w as an input when w-conditioned)."""
-        a, s = self._alpha_sigma(t)
         tt = t.clamp(max=self.num_train_timesteps - 1)
         original = self.round_index == self.first_round
         if original and bool((scale != 1.0).any()):
             out = cfg(*self.teacher_cond_uncond(x, tt, cond, uncond), scale.to(x))
         else:
             out = self.teacher_forward(x, tt, cond, **({} if original else w_kwargs))
-        return to_x0_eps(self.teacher_prediction_type, out, x, a, s)
+        return self.schedule.to_x0_eps(out, x, t, self.teacher_prediction_type)
 
     def _teacher_step(self, x, t, t_next, cond, uncond, scale, w_kwargs):
         x0, eps = self._teacher_x0_eps(x, t, cond, uncond, scale, w_kwargs)
-        a_next, s_next = self._alpha_sigma(t_next)
-        return ddim_step(x0, eps, a_next, s_next)
+        return ddim_step(x0, eps, *self.schedule.alpha_sigma(t_next, x.ndim))
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
@@ -193,27 +173,27 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         scale = self.paired(self._scales(n, generator)).to(x0.device)
         w_kwargs = guidance_condition(scale - 1.0, self.w_dim, x0)  # pipelines embed w = scale - 1
         # bins 0..steps-1 = student grid points i = 1..steps (ascending noise: i = 0 is the clean end)
-        grid = self._times(torch.arange(1, steps + 1, device=self.abar.device), steps)
-        bins, iw = self.draw_time_bins(n, vp_sigmas(self.abar[grid]), generator, stage=self.round_index)
+        grid = self._times(torch.arange(1, steps + 1, device=self.schedule.ve_sigmas.device), steps)
+        bins, iw = self.draw_time_bins(n, self.schedule.ve_sigmas[grid], generator, stage=self.round_index)
         i = (bins + 1).to(x0.device)
         if self.round_index < 0:  # guided stage: the student's prediction matches the guided teacher's
             t = self._times(i, steps)
         else:  # student step i -> i - 1 on its grid = teacher steps 2i -> 2i - 1 -> 2i - 2
             t, t_mid, t_end = self._times(2 * i, 2 * steps), self._times(2 * i - 1, 2 * steps), self._times(2 * i - 2, 2 * steps)
         eps = self.draw_noise(x0, generator)
-        a_t, s_t = self._alpha_sigma(t)
-        x_t = add_noise(x0, eps, a_t, s_t)
+        a_t, s_t = self.schedule.alpha_sigma(t, x0.ndim)
+        x_t = self.schedule.add_noise(x0, eps, t)
         if self.round_index < 0:
             x_target, eps_target = self._teacher_x0_eps(x_t, t, cond, uncond, scale, w_kwargs)
         else:
             x_mid = self._teacher_step(x_t, t, t_mid, cond, uncond, scale, w_kwargs)
             x_end = self._teacher_step(x_mid, t_mid, t_end, cond, uncond, scale, w_kwargs)
-            a_e, s_e = self._alpha_sigma(t_end)
+            a_e, s_e = self.schedule.alpha_sigma(t_end, x0.ndim)
             x_target = progressive_x_target(x_t, x_end, a_t, s_t, a_e, s_e)
             eps_target = (x_t - a_t * x_target) / s_t
-        target = prediction_target(self.student_prediction_type, x_target, eps_target, a_t, s_t)
+        target = self.schedule.prediction_target(x_target, eps_target, t, self.student_prediction_type)
         pred = self.student(x_t, t, encoder_hidden_states=cond, **w_kwargs).sample
-        weight = snr_weight(snr(a_t, s_t).flatten(), self.student_prediction_type, self.loss_weighting)
+        weight = snr_weight(self.schedule.snr(t), self.student_prediction_type, self.loss_weighting)
         per_example = diffusion_loss(pred, target, weight, reduce=False)
         if self.training:
             self.record_time_losses(bins, per_example)
