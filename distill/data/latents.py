@@ -36,6 +36,16 @@ def batch_size_of(batch: dict) -> int:
     raise KeyError(f"a batch needs 'pixel_values' or 'latent_mean'; got keys {sorted(batch)}")
 
 
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Images (N, C, H, W) -> a sample of the VAE posterior times ``scaling_factor`` (Rombach et al. 2022), in
+    float32 even inside a mixed-precision step: the latents are the data (as the latent cache holds them)."""
+    with torch.autocast(pixels.device.type, enabled=False):
+        dist = vae.encode(pixels.float()).latent_dist
+    noise = torch.randn(dist.mean.shape, generator=generator).to(dist.mean)
+    return (dist.mean + dist.std * noise) * vae.config.scaling_factor
+
+
 def module_fingerprint(module: nn.Module) -> str:
     """SHA-256 over a module's parameter and buffer names, dtypes, shapes and bytes."""
     digest = hashlib.sha256()

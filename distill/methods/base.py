@@ -11,6 +11,7 @@ from typing import Literal
 import lightning as L
 import torch
 
+from distill.data.latents import encode_latents  # noqa: F401  (its old home: methods and tests import it here)
 from distill.diffusion.noise import (
     NoiseOptions,
     TimeSampler,
@@ -31,16 +32,6 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-@torch.no_grad()
-def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Images (N, C, H, W) -> a sample of the VAE posterior times ``scaling_factor`` (Rombach et al. 2022), in
-    float32 even inside a mixed-precision step: the latents are the data (as the latent cache holds them)."""
-    with torch.autocast(pixels.device.type, enabled=False):
-        dist = vae.encode(pixels.float()).latent_dist
-    noise = torch.randn(dist.mean.shape, generator=generator).to(dist.mean)
-    return (dist.mean + dist.std * noise) * vae.config.scaling_factor
 
 
 def text_to_image_pipeline(vae, conditioner, unet, scheduler, **call_defaults):
