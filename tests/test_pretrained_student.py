@@ -11,7 +11,7 @@ from diffusers import DiffusionPipeline, StableDiffusionPipeline, UNet2DConditio
 from distill.assets import asset_path
 from distill.compress.lowrank import LowRankUNet2DConditionModel, lowrank_unet
 from distill.compress.prune import PrunedUNet2DConditionModel, prune_unet, unet_example_inputs
-from distill.models.students import pretrained_student
+from distill.compress.students import pretrained_student
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ TokenMoEStudentConfig = builds("TokenMoEStudentConfig", "distill.models.moe.toke
                                exclude=_FROM_TEACHER, partial=True)
 LowRankStudentConfig = builds("LowRankStudentConfig", "distill.compress.students.lowrank_student",
                               exclude=_FROM_TEACHER[:1], partial=True)
-PretrainedStudentConfig = builds("PretrainedStudentConfig", "distill.models.students.pretrained_student",
+PretrainedStudentConfig = builds("PretrainedStudentConfig", "distill.compress.students.pretrained_student",
                                  exclude=_FROM_TEACHER[:1], partial=True)
 PrunedStudentConfig = builds("PrunedStudentConfig", "distill.compress.students.pruned_student",
                              exclude=(*_FROM_TEACHER[:1], "teacher"), partial=True)

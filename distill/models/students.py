@@ -1,10 +1,10 @@
-"""Students built from a teacher UNet: a full copy (optionally w-conditioned), LoRA adapters (peft), or a UNet
-trained before (an export's ``unet/``, e.g. a recovered pruned student made few-step next)."""
+"""Students built from a teacher UNet: a full copy (optionally w-conditioned), a fresh one, or LoRA adapters (peft).
+A UNet trained before (``pretrained_student``) is loaded in ``distill.compress.students``, which knows every
+UNet class distill exports."""
 
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,50 +95,3 @@ def unet_folder(path: str | Path) -> Path:
             return folder
     raise FileNotFoundError(f"student.path={str(path)!r} holds neither config.json nor unet/config.json; give a "
                             "diffusers pipeline folder (e.g. a run's export/) or its unet/ folder")
-
-
-def _model_class(name: str) -> type:
-    """A UNet class named in a saved config: diffusers' own, or distill's (pruned, low-rank, MoE, EDM-preconditioned)."""
-    import diffusers
-
-    import distill.inference.pipelines  # noqa: F401  (imports the libraries of distill's model classes)
-    from distill.compress import lowrank, prune
-    from distill.models import moe, precondition
-
-    for namespace in (diffusers, prune, lowrank, moe, precondition):
-        if isinstance(getattr(namespace, name, None), type):
-            return getattr(namespace, name)
-    raise ValueError(f"student.path holds a {name!r}, which neither diffusers nor distill defines")
-
-
-def pretrained_student(teacher_unet: nn.Module, path: str, time_cond_proj_dim: int | None = None,
-                       gradient_checkpointing: bool = False) -> nn.Module:
-    """A UNet trained before, loaded from ``path`` (a pipeline folder or its ``unet/``), of any class distill
-    exports: a recovered pruned or low-rank student, a MoE student, a plain UNet. It must take the teacher's
-    latents and text states. With ``time_cond_proj_dim`` and no guidance-scale input yet, one is added as in
-    ``copy_student`` (zero-initialised: the student starts as it was), so that latent consistency distillation
-    can make a compressed student few-step."""
-    folder = unet_folder(path)
-    config = json.loads((folder / "config.json").read_text())
-    cls = _model_class(config.get("_class_name", ""))
-    model = cls.from_pretrained(folder)
-    for key in ("in_channels", "out_channels", "sample_size", "cross_attention_dim"):
-        mine, theirs = model.config.get(key), teacher_unet.config.get(key)
-        if mine is not None and theirs is not None and mine != theirs:
-            raise ValueError(f"student.path={str(path)!r} has {key}={mine}, the teacher {theirs}: it was trained for "
-                             "another model; give a student of this teacher")
-    have = model.config.get("time_cond_proj_dim")
-    if time_cond_proj_dim is not None and have != time_cond_proj_dim:
-        if have is not None:
-            raise ValueError(f"student.path={str(path)!r} already has a guidance-scale input of size {have}; set "
-                             f"student.time_cond_proj_dim={have} or null")
-        widened = cls.from_config({**model.config, "time_cond_proj_dim": time_cond_proj_dim})
-        missing, unexpected = widened.load_state_dict(model.state_dict(), strict=False)
-        if unexpected or any(not k.startswith("time_embedding.cond_proj") for k in missing):
-            raise ValueError(f"cannot add a guidance-scale input to the {cls.__name__} at {str(path)!r}: missing "
-                             f"{missing}, unexpected {unexpected}")
-        torch.nn.init.zeros_(widened.time_embedding.cond_proj.weight)
-        model = widened
-    if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-    return model.float().train().requires_grad_(True)  # fp32 master weights, as copy_student
