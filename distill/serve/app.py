@@ -309,7 +309,7 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = ServeCo
     async def unexpected(request: Request, err: Exception) -> JSONResponse:
         return answer(JSONResponse(status_code=500, content={"detail": f"{type(err).__name__}: {err}"}))
 
-    add_job_routes(app, engine, admit, answer, defaults()["scheduler"])
+    add_job_routes(app, engine, admit, answer, defaults()["scheduler"], GenerateRequest)
     add_docs(app)
     # added last, so outermost: CORS headers on every answer (a 401 too) and preflights answered before the key
     app.add_middleware(Guard, max_body_bytes=max_body_bytes, api_key=api_key, allowed_hosts=allowed_hosts,

@@ -110,13 +110,11 @@ class JobStore:
 
 
 def add_job_routes(app: FastAPI, engine: Engine, admit: Callable, answer: Callable[[Response], Response],
-                   scheduler: str) -> JobStore:
+                   scheduler: str, request_model: type) -> JobStore:
     """Register the job-id routes on ``app``. ``admit(body)``: /generate's checks and submission (the submitted
     :class:`Job`, or the 422/429/503 answer, counted); ``answer(response)``: counts a response in /metrics and
-    returns it; ``scheduler``: the name a job with ``scheduler=None`` ran (the served default)."""
-    # app imports this module; a real class, not a string annotation, so that FastAPI reads the body with it
-    from distill.serve.app import GenerateRequest
-
+    returns it; ``scheduler``: the name a job with ``scheduler=None`` ran (the served default); ``request_model``:
+    /generate's body class (``app.GenerateRequest``), passed in because app imports this module."""
     store = JobStore()
 
     def progress(key: str, entry: Entry) -> dict:
@@ -138,7 +136,7 @@ def add_job_routes(app: FastAPI, engine: Engine, admit: Callable, answer: Callab
     @app.post("/jobs", status_code=202, responses={
         202: {"description": "accepted: poll status_url"}, 429: {"description": "queue full"},
         503: {"description": "shutting down"}})
-    async def submit_job(body: GenerateRequest, request: Request) -> Response:
+    async def submit_job(body: request_model, request: Request) -> Response:  # the class itself: FastAPI reads it
         """Start a generation (the body of ``POST /generate``) and answer its id at once."""
         if body.format != "base64":
             return answer(JSONResponse(status_code=422, content={"detail": [
