@@ -159,7 +159,7 @@ def _accelerators(cfg: DictConfig) -> list[tuple[str, object]]:
             preset(name)
             out.append((name, lambda pipeline, name=name: preset(name, path=pipeline)))
         return out
-    node = OmegaConf.to_container(cfg.accelerate, enum_to_str=True)
+    node = OmegaConf.to_container(cfg.accelerate, resolve=True, enum_to_str=True)  # a guide named by ${distill.asset:...}
     kind, options = str(node["kind"]), dict(node.get("options") or {})
     probe = make_accelerator(kind, options)
     label = "none" if probe is None else probe.describe()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from distill.accelerate import DeepCache, Forecast, accelerated, preset
+from distill.accelerate import ACCELERATE_CONF, DeepCache, Forecast, accelerated, preset
 from distill.accelerate.deepcache import branch_layers, full_steps
 from distill.accelerate.forecast import (
     fit_forecaster,
@@ -462,6 +462,23 @@ def test_the_guide_comes_from_the_preset(name, mode, asset):
     guide = preset(name)
     assert (guide.mode, guide.path) == (mode, str(asset_path(asset)))
     assert accelerator_options(name)["options"]["classifier"] == str(asset_path(asset))
+
+
+def test_the_commands_resolve_the_presets_guide():
+    """``distill.evaluate accelerate=classifier`` (and ``distill.serve``, the same conversion) builds the guide
+    of the preset's ``${distill.asset:noisy_classifier}``, not a folder named by the unresolved string."""
+    from hydra import compose, initialize_config_dir
+
+    from distill.config.resolvers import register_resolvers
+    from distill.config.schema import register_configs
+    from distill.evaluate import _accelerators
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(ACCELERATE_CONF.parent), version_base="1.3"):
+        cfg = compose(config_name="evaluate", overrides=["accelerate=classifier"])
+    [(label, build)] = _accelerators(cfg)
+    assert label == "classifier(noisy,s=3)" and build(None).path == str(asset_path("noisy_classifier"))
 
 
 def test_a_guide_that_does_not_fit_the_latents_is_refused(pipe, tmp_path):

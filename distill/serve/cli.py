@@ -95,7 +95,7 @@ def build(cfg: DictConfig):
     from distill.serve.engine import Engine
     from distill.serve.metrics import ServeMetrics
 
-    node = OmegaConf.to_container(cfg.accelerate, enum_to_str=True)
+    node = OmegaConf.to_container(cfg.accelerate, resolve=True, enum_to_str=True)  # a guide named by ${distill.asset:...}
     accelerator = make_accelerator(str(node["kind"]), dict(node.get("options") or {}), path=str(cfg.pipeline))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
