@@ -380,6 +380,7 @@ def test_http_answers_images_health_metrics_429_and_504(http, pipe):
         engine._stream_step = step
     assert response.status_code == 504 and "timeout_s=0.5" in response.json()["detail"], response.text
 
+    assert client.head("/health").status_code == 200
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["mode"] == "stream"
     assert health["defaults"]["steps"] == STEPS and health["defaults"]["height"] == 32
@@ -731,7 +732,7 @@ def test_close_settles_what_the_drain_timeout_cuts_off_as_draining(pipe):
     closer.join(timeout=30)
 
 
-def test_stream_admits_a_request_of_another_size_under_steady_load(pipe):
+def test_stream_admits_a_request_of_another_size_under_steady_load(pipe, caplog):
     """Eight clients keep the stream denoiser full of native-size requests; a request of twice the size is
     admitted as soon as an active job leaves room (first come, first served), not when the load stops."""
     engine = make_engine(pipe, mode="stream", max_batch_size=4, max_wait_ms=0.0, queue_size=64)
@@ -757,6 +758,7 @@ def test_stream_admits_a_request_of_another_size_under_steady_load(pipe):
             thread.join(timeout=60)
         engine.close(timeout=60)
     assert load_running and waited < 15, waited
+    assert "running each alone" not in caplog.text  # sizes were never mixed in one decoder batch
     assert_close(pixels(result.png[0]), reference_size(pipe, PROMPTS[9], 9, 2, 64))
 
 
@@ -773,7 +775,7 @@ def test_requests_that_cannot_finish_by_their_deadline_are_refused_at_the_door(p
     try:
         for i in range(5):  # the rate is measured over at least 4 finished batches
             run(engine, [engine.job([PROMPTS[i]], seed=i, steps=6), engine.job([PROMPTS[i + 1]], seed=i, steps=6)])
-        assert engine.rate() is not None
+        assert engine.call_seconds(1.0) is not None
         admitted, refused = [], 0
         for i in range(120):
             try:
@@ -795,7 +797,7 @@ def test_requests_that_cannot_finish_by_their_deadline_are_refused_at_the_door(p
 
 def test_progress_of_a_request_is_visible_in_every_mode(pipe):
     """Job.stage and Job.step follow the request: the denoiser's step count rises to the job's steps."""
-    for mode in ("batch", "stream"):
+    for mode in ("batch", "pipeline", "stream"):
         engine = make_engine(pipe, mode=mode, max_wait_ms=0.0)
         seen: set[tuple[str, int]] = set()
         try:
@@ -829,3 +831,85 @@ def test_a_cancelled_batch_stops_its_pipeline_call_at_the_next_step(pipe):
         hook.remove()
         engine.close(timeout=30)
     assert len(calls) < 30, len(calls)  # 100 steps, cancelled after 3: it stopped within a few more
+
+
+def test_the_admission_estimate_follows_each_requests_own_size(pipe):
+    """After calls of several sizes, the expected time of a request alone is its measured time within 50%, for
+    one image and for eight: a burst of large calls does not make a small request look slow, nor the reverse."""
+    engine = make_engine(pipe, mode="batch", max_batch_size=8, max_wait_ms=0.0)
+    try:
+        for n in (1, 8, 1, 8, 4):  # calls of 1, 8 and 4 images (2 UNet rows each: guidance)
+            run(engine, [engine.job([PROMPTS[i] for i in range(n)], seed=n, steps=6)])
+        for n in (1, 8):
+            job = engine.job([PROMPTS[i] for i in range(n)], seed=3, steps=12)
+            expected = engine.expected_seconds(job)
+            start = time.monotonic()
+            run(engine, [job])
+            took = time.monotonic() - start
+            assert 0.5 * took < expected < 1.5 * took, (n, expected, took)
+    finally:
+        engine.close(timeout=60)
+
+
+def test_stream_refuses_a_short_request_that_would_wait_behind_a_full_active_set(pipe):
+    """The denoiser is full of long requests: a one-step request cannot start before one of them finishes, so
+    with a deadline shorter than that it is refused at the door (before: admitted, then 504)."""
+    engine = make_engine(pipe, mode="stream", max_batch_size=4, max_wait_ms=0.0)
+    try:
+        for _ in range(2):
+            run(engine, [engine.job([PROMPTS[i]], seed=i, steps=3) for i in range(4)])
+        long = [engine.submit(engine.job([PROMPTS[i]], seed=i, steps=60)) for i in range(4)]
+        wait_for(lambda: sum(j.stage == "denoise" for j in engine.jobs) == 4, timeout=30)
+        short = engine.job([PROMPTS[5]], seed=5, steps=1, timeout_s=0.5)
+        alone = engine.call_seconds(short.units)
+        assert alone < 0.2  # on its own it would be done in time
+        with pytest.raises(QueueFull, match="timeout_s=0.5"):
+            engine.submit(short)
+        for future in long:
+            future.result(timeout=120)
+    finally:
+        engine.close(timeout=60)
+
+
+def test_a_batch_whose_decode_fails_is_decoded_again_request_by_request(pipe, caplog):
+    """Failure isolation in the decoder too: one request whose latents cannot be decoded fails alone."""
+    engine = make_engine(pipe, mode="pipeline", max_batch_size=8, max_wait_ms=300.0)
+    decode = engine._decode
+
+    def fragile(jobs):
+        if any(job.prompts == ["poison"] for job in jobs):
+            raise FloatingPointError("cannot decode")
+        decode(jobs)
+
+    engine._decode = fragile
+    try:
+        prompts = [PROMPTS[0], "poison", PROMPTS[1], PROMPTS[2]]
+        futures = [engine.submit(engine.job([p], seed=i, steps=2)) for i, p in enumerate(prompts)]
+        with pytest.raises(FloatingPointError):
+            futures[1].result(timeout=60)
+        for i in (0, 2, 3):
+            assert_close(pixels(futures[i].result(timeout=60).png[0]), reference(pipe, prompts[i], i, steps=2))
+    finally:
+        engine.close(timeout=60)
+    assert any("decode failed" in r.getMessage() and len(r.args[-1]) >= 2 for r in caplog.records)
+
+
+
+def test_a_lone_surrogate_batched_with_six_good_prompts_is_the_only_422(pipe):
+    """Seven concurrent requests, the fourth holding a lone surrogate: it alone is refused (422 naming the prompt)
+    and the six others, encoded together, get their images."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from distill.serve.app import create_app
+
+    engine = make_engine(pipe, mode="stream", max_batch_size=8, max_wait_ms=100.0)
+    prompts = [PROMPTS[i] for i in range(3)] + ["\ud800 seven"] + [PROMPTS[i] for i in range(3, 6)]
+    bodies = [json.dumps({"prompt": p, "seed": i, "steps": 2}, ensure_ascii=True) for i, p in enumerate(prompts)]
+    with TestClient(create_app(engine)) as client, ThreadPoolExecutor(7) as pool:
+        answers = list(pool.map(lambda body: client.post("/generate", content=body,
+                                                         headers={"content-type": "application/json"}), bodies))
+    codes = [a.status_code for a in answers]
+    assert codes == [200, 200, 200, 422, 200, 200, 200], codes
+    assert answers[3].json()["detail"][0]["loc"][-1] == "prompt"

@@ -181,6 +181,19 @@ def test_the_store_forgets_finished_jobs_by_age_and_count():
     assert store.get(keys[3]) is not None, "an unfinished job is never forgotten"
 
 
+def test_the_store_keeps_finished_images_within_its_byte_budget():
+    from distill.serve.engine import Result
+    from distill.serve.jobs import JobStore
+
+    store = JobStore(max_finished=10, max_bytes=2500)
+    jobs = [Job(["a"], [0], 1, 1.0, 32, 32, future=Future(), submitted=time.monotonic()) for _ in range(3)]
+    keys = [store.add(j) for j in jobs]
+    for j in jobs:
+        j.future.set_result(Result([b"x" * 1000], [0], 0.1, {}, {}))
+    # 3000 bytes held against 2500: the oldest goes, the two latest stay
+    assert store.get(keys[0]) is None and store.get(keys[1]) is not None and store.get(keys[2]) is not None
+
+
 def test_docs_are_served_from_local_assets(http):
     client, _ = http
     page = client.get("/docs")

@@ -274,7 +274,7 @@ def create_app(engine: Engine, model: str = "", drain_timeout_s: float = ServeCo
                 "X-Seed": str(result.seeds[0]), "X-Latency-S": f"{result.latency_s:.4f}"}))
         return answer(JSONResponse(result_json(job, result, job.scheduler or defaults()["scheduler"])))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: the probe of many load balancers
     async def health() -> JSONResponse:
         """Status (``ok``; with 503 ``draining`` during shutdown, or ``unhealthy`` when a stage stopped or stalled,
         named in ``reason``), mode, queue and the request defaults."""

@@ -108,6 +108,7 @@ class Job:
     stage: str = "queued"  # queued, then each of STAGES while in it, then done
     rows: int = 1  # UNet rows per image and step (2 with classifier-free guidance)
     calls: int = 0  # UNet calls of the trajectory (steps, or more for a second-order scheduler); index counts them
+    area: float = 1.0  # pixels per image relative to the model's native size (a UNet call's cost scales with it)
 
     @property
     def n(self) -> int:
@@ -118,15 +119,14 @@ class Job:
         """Denoising steps done, of ``steps``."""
         return self.index * self.steps // max(self.calls or self.steps, 1)
 
-    def work(self, total: bool = False) -> int:
-        """What is left of the job (``total``: all of it) in UNet rows, the unit of the engine's service rate: a row
-        per image and call (two with guidance), and one per image for its encoding and decoding."""
-        calls = self.calls or self.steps
-        if total:
-            return self.n * (self.rows * calls + 1)
-        if self.stage == "done":
-            return 0
-        return self.n * (self.rows * max(calls - self.index, 0) + (self.stage != "decode"))
+    @property
+    def units(self) -> float:
+        """What one UNet call costs for this job, in native-size rows: rows per image (2 with guidance) x images x
+        relative area."""
+        return self.rows * self.n * self.area
+
+    def calls_left(self) -> int:
+        return 0 if self.stage in ("decode", "done") else max((self.calls or self.steps) - self.index, 0)
 
     def batch_key(self) -> tuple:
         """Jobs with equal keys can share one pipeline call."""
@@ -296,12 +296,9 @@ class Engine:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
         self.ids = itertools.count(1)
-        # the service rate: (UNet rows of the jobs finished, seconds the engine held work) between finishes
-        self._served: deque[tuple[int, float]] = deque(maxlen=32)
-        self._last_finish = 0.0
-        self._busy_since = 0.0  # when the engine last went from holding nothing to holding a job
+        self._calls_seen: deque[tuple[float, float]] = deque(maxlen=64)  # (native-size rows, seconds) per call
+        self._image_s: dict[str, float] = {}  # encode, decode -> running mean of seconds per image
         self._working: dict[str, float] = {}  # stage -> when its current call last made progress
-        self._call_s = 0.0  # running mean of the seconds per denoising call (one step of a batch)
         with torch.no_grad():  # the unconditional embedding of classifier-free guidance, once
             self.null_embeds = pipe.encode_prompt([""], self.device, 1, False)[0]
         self.threads: list[threading.Thread] = []
@@ -381,9 +378,20 @@ class Engine:
             raise ValueError("; ".join(message for _, message in errors))
         scheduler = scheduler or self.default_scheduler
         guidance = self.default_guidance if guidance_scale is None else float(guidance_scale)
-        return Job(list(prompts), [seed + i for i in range(len(prompts))], steps or self.default_steps, guidance,
-                   height or self.native, width or self.native, None if scheduler == self.own_name else scheduler,
-                   timeout_s or self.timeout_s, rows=2 if self.needs_cfg(guidance) else 1)
+        steps, height, width = steps or self.default_steps, height or self.native, width or self.native
+        scheduler = None if scheduler == self.own_name else scheduler
+        return Job(list(prompts), [seed + i for i in range(len(prompts))], steps, guidance, height, width, scheduler,
+                   timeout_s or self.timeout_s, rows=2 if self.needs_cfg(guidance) else 1,
+                   calls=self.calls_for(scheduler, steps), area=height * width / self.native ** 2)
+
+    def calls_for(self, scheduler: str | None, steps: int) -> int:
+        """UNet calls of a trajectory of ``steps`` with ``scheduler`` (more than steps for a second-order one)."""
+        key = ("calls", scheduler, steps)
+        if key not in self._step_limits:
+            sched = self.scheduler_for(scheduler)
+            sched.set_timesteps(steps, device="cpu")
+            self._step_limits[key] = len(sched.timesteps)
+        return self._step_limits[key]
 
     def submit(self, job: Job) -> Future:
         """Queue ``job``; its future resolves to a :class:`Result`, or raises :class:`DeadlineExceeded` (or the
@@ -401,8 +409,6 @@ class Engine:
                 raise QueueFull(self.inflight, max(1.0, expected - ADMIT_SHARE * timeout), (
                     f"with the {self.inflight} requests held, this one would take {expected:.1f} s at the measured "
                     f"rate, more than {ADMIT_SHARE:.0%} of its timeout_s={timeout:g}"))
-            if self.inflight == 0:
-                self._busy_since = time.monotonic()
             self.inflight += 1
             self.jobs.add(job)
         job.id, job.submitted = next(self.ids), time.monotonic()
@@ -417,29 +423,72 @@ class Engine:
             self.metrics.queue_depth.set(len(self.queue))
         return job.future
 
-    def expected_seconds(self, job: Job) -> float | None:
-        """How long ``job`` would take if admitted now (None before the rate is measured): the work held ahead of
-        it at the measured service rate (:meth:`rate`), then its own denoising calls at the measured seconds per
-        call. In stream mode the jobs already denoising share calls with it rather than go before it."""
-        rate = self.rate()
-        if rate is None or not self._call_s:
+    def call_seconds(self, units: float) -> float | None:
+        """The measured time of one denoising call of ``units`` native-size rows: a least-squares line
+        a + b * units through the last 64 calls (None before 3 of them)."""
+        calls = list(self._calls_seen)
+        if len(calls) < 3:
             return None
-        ahead = sum(held.work() for held in self.jobs if self.mode != "stream" or held.stage in ("queued", "encode"))
-        return ahead / rate + (job.calls or job.steps) * self._call_s
+        xs, ys = [u for u, _ in calls], [t for _, t in calls]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+        if var == 0 or b <= 0:  # one size seen (or noise): proportional to the rows
+            return my / mx * units
+        a = max(my - b * mx, 0.0)
+        return a + b * units
 
-    def rate(self) -> float | None:
-        """The measured service rate in UNet rows (:meth:`Job.work`) per second the engine held work, over its
-        last 32 finished batches; None before 4 of them."""
-        if len(self._served) < 4:
+    def expected_seconds(self, job: Job) -> float | None:
+        """How long ``job`` would take if admitted now, from the measured cost of a denoising call
+        (:meth:`call_seconds`) and of encoding and decoding an image; None before they are measured.
+
+        Stream mode: the job joins the active jobs once they leave room for its images (the soonest to finish
+        leave first), then takes its own calls in batches as large as the jobs held make them. Other modes:
+        the batches of the jobs held ahead (grouped by batch key) run one after another, then its own."""
+        full = self.call_seconds(1.0)
+        if full is None or not self._image_s:
             return None
-        work, seconds = (sum(column) for column in zip(*self._served))
-        return work / seconds if seconds > 0 else None
+        held = [other for other in self.jobs if other.stage != "done"]
+        overhead = sum(self._image_s.values()) * job.n
+        if self.mode == "stream":
+            active = [other for other in held if other.stage == "denoise"]
+            ahead = [other for other in held if other.stage in ("queued", "encode")]
+            images = sum(o.n for o in active + ahead) + job.n
+            units = sum(o.units for o in active + ahead) + job.units
+            if images > self.max_batch_size:
+                units *= self.max_batch_size / images  # a call carries at most max_batch_size images
+            per_call = self.call_seconds(units)
+            wait, overflow = 0.0, images - self.max_batch_size
+            if overflow > 0:  # wait until enough active jobs have finished, soonest first
+                freed = 0
+                for left, n in sorted((o.calls_left(), o.n) for o in active):
+                    freed += n
+                    wait = left * per_call
+                    if freed >= overflow:
+                        break
+                else:  # jobs ahead of it still fill the room: a trajectory of theirs per batch of them
+                    mean_calls = sum(o.calls_left() for o in ahead) / max(len(ahead), 1)
+                    wait += math.ceil((overflow - freed) / self.max_batch_size) * mean_calls * per_call
+            # the stages share the machine: the encoding and decoding of the jobs ahead take their time too
+            return wait + job.calls_left() * per_call + overhead + sum(self._image_s.values()) * sum(o.n for o in ahead)
+        groups: dict[tuple, list[Job]] = {}
+        for other in [*held, job]:
+            groups.setdefault(id(other) if self.mode == "sequential" else other.batch_key(), []).append(other)
+        seconds = 0.0
+        for members in groups.values():
+            batches = math.ceil(sum(o.n for o in members) / self.max_batch_size)
+            units = sum(o.units for o in members) / batches
+            seconds += batches * max(o.calls_left() for o in members) * self.call_seconds(units)
+        return seconds + sum(self._image_s.values()) * sum(o.n for o in held) + overhead
 
     def retry_after(self) -> float:
-        """Seconds until the queue has room for a request: the time the engine takes for a batch of one-step
-        images at the measured rate (at least 1)."""
-        rate = self.rate()
-        return 1.0 if rate is None else max(1.0, self.max_batch_size * self.default_steps / rate)
+        """Seconds until the queue has room for a request: the time of a full batch of default requests at the
+        measured cost (at least 1)."""
+        per_call = self.call_seconds(float(self.max_batch_size))
+        if per_call is None:
+            return 1.0
+        return max(1.0, self.calls_for(self.default_scheduler if self.default_scheduler != self.own_name else None,
+                                       self.default_steps) * per_call)
 
     def _done(self, job: Job) -> None:
         with self.lock:
@@ -547,10 +596,14 @@ class Engine:
         finally:
             self._working.pop(stage, None)
         seconds = time.perf_counter() - start
-        if stage == "denoise":  # a stream call is one step; a pipeline call all the steps of its batch
-            per_call = seconds / (1 if self.mode == "stream" else max(jobs[0].calls, 1))
-            self._call_s = 0.8 * self._call_s + 0.2 * per_call if self._call_s else per_call
         images = sum(j.n for j in jobs)
+        if stage == "denoise":  # a stream call is one step; a pipeline call all the steps of its batch
+            self._calls_seen.append((sum(j.units for j in jobs),
+                                     seconds / (1 if self.mode == "stream" else max(jobs[0].calls, 1))))
+        else:
+            per_image = seconds / images
+            last = self._image_s.get(stage)
+            self._image_s[stage] = per_image if last is None else 0.8 * last + 0.2 * per_image
         for job in jobs:
             job.timings[stage] = job.timings.get(stage, 0.0) + seconds
             job.batch_sizes[stage] = max(job.batch_sizes.get(stage, 0), images)
@@ -711,11 +764,6 @@ class Engine:
 
     def _finish(self, jobs: list[Job]) -> None:
         now = time.monotonic()
-        # the service rate: these jobs' work over the time the engine held work since the previous finish
-        with self.lock:
-            busy = now - max(self._last_finish, self._busy_since)
-            self._last_finish = now
-        self._served.append((sum(job.work(total=True) for job in jobs), busy))
         for job in jobs:
             job.stage = "done"
             settled = _settle(job, Result(job.png, job.seeds, now - job.submitted, dict(job.timings),
@@ -802,8 +850,11 @@ class Engine:
                       if job.future.cancelled() or not job.future.done()]
             finished = [job for job in active if job.index >= len(job.timesteps)]
             active = [job for job in active if job.index < len(job.timesteps)]
-            if finished:
-                out.put(finished)
+            sizes: dict[tuple, list[Job]] = {}
+            for job in finished:  # the decoder decodes one image size per batch
+                sizes.setdefault(job.size_key(), []).append(job)
+            for group in sizes.values():
+                out.put(group)
 
     @torch.no_grad()
     def _stream_step(self, jobs: list[Job]) -> None:

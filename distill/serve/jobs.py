@@ -9,8 +9,9 @@ Polling rather than server-sent events: a poll is one short request that any cli
 control treat like every other, and the progress it reads (:attr:`Job.step`) changes once per UNet call, which the
 playground's poll every 100 ms follows closely. Ids are ``secrets.token_urlsafe`` strings, because an id is
 all that guards a job's images: whoever has it may read or cancel them. The store keeps every unfinished job
-(the engine's ``queue_size`` bounds them) and the :data:`MAX_FINISHED` latest finished ones for :data:`FINISHED_TTL_S`
-seconds; after that the id answers 404. :func:`result_json` and :func:`failure` are /generate's answers too, so
+(the engine's ``queue_size`` bounds them) and the :data:`MAX_FINISHED` latest finished ones, within
+:data:`MAX_FINISHED_BYTES` of PNGs, for :data:`FINISHED_TTL_S` seconds; the oldest finished go first, so a client that
+submits many jobs can push another's answer out before it is fetched (the id then answers 404). :func:`result_json` and :func:`failure` are /generate's answers too, so
 that the two routes cannot drift apart.
 """
 
@@ -31,6 +32,7 @@ from distill.serve.engine import DeadlineExceeded, Draining, Engine, Job, Result
 
 FINISHED_TTL_S = 600.0  # how long a finished job's answer waits for its owner to fetch it
 MAX_FINISHED = 64  # finished jobs kept at most (each holds its PNGs); the oldest are forgotten first
+MAX_FINISHED_BYTES = 256 * 2**20  # and at most this many bytes of their PNGs (8 large images each on an SD model)
 DOCS_ASSETS = "/docs/assets"
 
 
@@ -75,8 +77,9 @@ class Entry:
 class JobStore:
     """The jobs of ``POST /jobs`` by id, in submission order (so that the oldest finished go first)."""
 
-    def __init__(self, ttl_s: float = FINISHED_TTL_S, max_finished: int = MAX_FINISHED):
-        self.ttl_s, self.max_finished = ttl_s, max_finished
+    def __init__(self, ttl_s: float = FINISHED_TTL_S, max_finished: int = MAX_FINISHED,
+                 max_bytes: int = MAX_FINISHED_BYTES):
+        self.ttl_s, self.max_finished, self.max_bytes = ttl_s, max_finished, max_bytes
         self.entries: OrderedDict[str, Entry] = OrderedDict()
 
     def add(self, job: Job) -> str:
@@ -104,9 +107,21 @@ class JobStore:
             if entry.finished is None and now > entry.job.deadline and entry.job.future.cancel():
                 entry.expired = True
         finished = [key for key, entry in self.entries.items() if entry.finished is not None]
+        held = sum(self.bytes(self.entries[key]) for key in finished)
         for i, key in enumerate(finished):
-            if len(finished) - i > self.max_finished or now - self.entries[key].finished > self.ttl_s:
+            entry = self.entries[key]
+            if (len(finished) - i > self.max_finished or held > self.max_bytes
+                    or now - entry.finished > self.ttl_s):
+                held -= self.bytes(entry)
                 del self.entries[key]
+
+    @staticmethod
+    def bytes(entry: Entry) -> int:
+        """The PNG bytes a finished entry holds."""
+        future = entry.job.future
+        if future.cancelled() or future.exception() is not None:
+            return 0
+        return sum(len(png) for png in getattr(future.result(), "png", []))
 
 
 def add_job_routes(app: FastAPI, engine: Engine, admit: Callable, answer: Callable[[Response], Response],
