@@ -5,7 +5,8 @@ distillation method and the images of its export are bit-identical to the stored
 
 Each run is ``python -m distill.train +exp=NAME`` as users call it, shortened to 20 steps of batch 16
 (``RUNS``): LCM (``+exp=consistency``), one progressive round 64 -> 32 steps (``+exp=progressive``) and ECT
-(``+exp=consistency_training``). Compared, exactly:
+(``+exp=consistency_training``); in the slow suite also feature distillation (``+exp=compress``) and latent
+diffusion (``+exp=teacher``), ``SLOW_RUNS`` (all five: ``-m ""``). Compared, exactly:
 - the training loss of every step (``train/loss`` of the CSV log, as ``float.hex``): a schedule, noise or
   loss change shows here first, at the step it starts;
 - a SHA-256 of the bytes of every tensor of the last checkpoint's ``state_dict`` (student, target, round
@@ -21,7 +22,7 @@ another, a mismatch may be the environment, which the failure message says.
 Regenerate the reference ONLY for an intended change of behaviour (never to make a refactor pass), and
 say so in the commit message:
 
-    DISTILL_GOLDEN_UPDATE=1 OMP_NUM_THREADS=1 .venv/bin/pytest -q -p no:cacheprovider tests/test_golden.py
+    DISTILL_GOLDEN_UPDATE=1 OMP_NUM_THREADS=1 .venv/bin/pytest -q -p no:cacheprovider -m "" tests/test_golden.py
 """
 
 from __future__ import annotations
@@ -48,12 +49,18 @@ STEPS = 20
 # Shortened to seconds; no validation, sample grids or quality-cost sweeps (they do not change the weights).
 COMMON = [f"trainer.max_steps={STEPS}", "data.batch_size=16", "trainer.log_every_n_steps=1",
           "trainer.limit_val_batches=0", f"checkpoint.every_n_train_steps={STEPS}", "callbacks.samples=null",
-          "callbacks.quality_cost=null", "sample_grid_seeds=0", "logger=csv", "callbacks.progress=null",
-          "trainer.enable_model_summary=false"]
+          "sample_grid_seeds=0", "logger=csv", "callbacks.progress=null", "trainer.enable_model_summary=false"]
+NO_SWEEP = "callbacks.quality_cost=null"
 RUNS = {
-    "consistency": ["+exp=consistency"],
-    "progressive": ["+exp=progressive", "method.final_steps=32", f"method.steps_per_round={STEPS}"],  # one round
-    "consistency_training": ["+exp=consistency_training"],
+    "consistency": ["+exp=consistency", NO_SWEEP],
+    "progressive": ["+exp=progressive", "method.final_steps=32", f"method.steps_per_round={STEPS}", NO_SWEEP],
+    "consistency_training": ["+exp=consistency_training", NO_SWEEP],
+}
+# The two other methods whose schedule code issue 32 moves, in the slow suite (``-m slow``): feature
+# distillation of the pruned student (``+exp=compress``) and latent diffusion (``+exp=teacher``).
+SLOW_RUNS = {
+    "compress": ["+exp=compress", NO_SWEEP],
+    "teacher": ["+exp=teacher"],  # a job without a quality-cost sweep
 }
 
 
@@ -81,12 +88,16 @@ def _tensors(mapping: dict) -> dict:
     return {k: _tensor_record(v) for k, v in sorted(mapping.items()) if isinstance(v, torch.Tensor)}
 
 
+def _overrides(name: str) -> list[str]:
+    return [*(RUNS.get(name) or SLOW_RUNS[name]), *COMMON]
+
+
 def _train(name: str, run_dir: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WANDB_MODE": "offline",
            "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     log = open(run_dir.with_suffix(".log"), "w")
-    return subprocess.Popen([sys.executable, "-m", "distill.train", *RUNS[name], *COMMON, f"hydra.run.dir={run_dir}"],
+    return subprocess.Popen([sys.executable, "-m", "distill.train", *_overrides(name), f"hydra.run.dir={run_dir}"],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
@@ -125,11 +136,9 @@ def _measure(run_dir: Path) -> dict:
             "images": _images(export)}
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict:
-    """The three trainings at once (one thread each), then what each left behind."""
-    base = tmp_path_factory.mktemp("golden")
-    procs = {name: _train(name, base / name) for name in RUNS}
+def _run_all(names, base: Path) -> dict:
+    """The trainings at once (one thread each), then what each left behind."""
+    procs = {name: _train(name, base / name) for name in names}
     out = {}
     for name, proc in procs.items():
         rc = proc.wait(timeout=600)
@@ -138,8 +147,18 @@ def measured(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    return _run_all(RUNS, tmp_path_factory.mktemp("golden"))
+
+
+@pytest.fixture(scope="module")
+def measured_slow(tmp_path_factory) -> dict:
+    return _run_all(SLOW_RUNS, tmp_path_factory.mktemp("golden_slow"))
+
+
 def _command(name: str) -> str:
-    return " ".join(["python -m distill.train", *RUNS[name], *COMMON])
+    return " ".join(["python -m distill.train", *_overrides(name)])
 
 
 def _dump(record: dict) -> str:
@@ -188,7 +207,16 @@ def _loss_diffs(want: list, got: list) -> list[str]:
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_training_and_export_are_bit_identical(measured, name):
-    got = measured[name]
+    _check(name, measured[name])
+
+
+@pytest.mark.slow  # two more trainings, ~35 s of CPU
+@pytest.mark.parametrize("name", list(SLOW_RUNS))
+def test_other_methods_are_bit_identical(measured_slow, name):
+    _check(name, measured_slow[name])
+
+
+def _check(name: str, got: dict) -> None:
     path = GOLDEN / f"{name}.json"
     if UPDATE:
         GOLDEN.mkdir(exist_ok=True)
