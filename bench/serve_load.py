@@ -59,7 +59,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = ("sequential", "batch", "pipeline", "stream")
+from distill.serve.engine import MODES  # noqa: E402  (the engine's modes, in its order)
+
 PROMPTS = [f"a handwritten digit {d}" for d in range(10)]
 URL_LINE = re.compile(r"distill\.serve: .* on (http://127\.0\.0\.1:\d+)")
 
