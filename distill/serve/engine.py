@@ -303,6 +303,7 @@ class Engine:
             self.null_embeds = pipe.encode_prompt([""], self.device, 1, False)[0]
         self.threads: list[threading.Thread] = []
         self._step_limits: dict[tuple, str | None] = {}
+        self._calls: dict[tuple, int] = {}  # (scheduler, steps) -> UNet calls of the trajectory
         if accelerator is not None:
             from distill.accelerate import enable
 
@@ -386,17 +387,17 @@ class Engine:
 
     def calls_for(self, scheduler: str | None, steps: int) -> int:
         """UNet calls of a trajectory of ``steps`` with ``scheduler`` (more than steps for a second-order one)."""
-        key = ("calls", scheduler, steps)
-        if key not in self._step_limits:
+        key = (scheduler, steps)
+        if key not in self._calls:
             sched = self.scheduler_for(scheduler)
             sched.set_timesteps(steps, device="cpu")
-            self._step_limits[key] = len(sched.timesteps)
-        return self._step_limits[key]
+            self._calls[key] = len(sched.timesteps)
+        return self._calls[key]
 
     def submit(self, job: Job) -> Future:
         """Queue ``job``; its future resolves to a :class:`Result`, or raises :class:`DeadlineExceeded` (or the
-        error of its batch). Raises :class:`QueueFull` or :class:`Draining` at once: QueueFull also when the work
-        held before it and its own cannot be done by its deadline at the measured service rate (:meth:`rate`), so
+        error of its batch). Raises :class:`QueueFull` or :class:`Draining` at once: QueueFull also when it is not
+        expected to finish within ADMIT_SHARE of its deadline (:meth:`expected_seconds`), so
         that what would expire inside the stages is refused at the door instead."""
         timeout = job.timeout_s or self.timeout_s
         with self.lock:  # against close(): a job is either refused or counted before the drain waits
@@ -445,11 +446,10 @@ class Engine:
         Stream mode: the job joins the active jobs once they leave room for its images (the soonest to finish
         leave first), then takes its own calls in batches as large as the jobs held make them. Other modes:
         the batches of the jobs held ahead (grouped by batch key) run one after another, then its own."""
-        full = self.call_seconds(1.0)
-        if full is None or not self._image_s:
+        if self.call_seconds(1.0) is None or not self._image_s:
             return None
         held = [other for other in self.jobs if other.stage != "done"]
-        overhead = sum(self._image_s.values()) * job.n
+        per_image = sum(self._image_s.values())  # encoding and decoding one image
         if self.mode == "stream":
             active = [other for other in held if other.stage == "denoise"]
             ahead = [other for other in held if other.stage in ("queued", "encode")]
@@ -470,7 +470,7 @@ class Engine:
                     mean_calls = sum(o.calls_left() for o in ahead) / max(len(ahead), 1)
                     wait += math.ceil((overflow - freed) / self.max_batch_size) * mean_calls * per_call
             # the stages share the machine: the encoding and decoding of the jobs ahead take their time too
-            return wait + job.calls_left() * per_call + overhead + sum(self._image_s.values()) * sum(o.n for o in ahead)
+            return wait + job.calls_left() * per_call + per_image * (job.n + sum(o.n for o in ahead))
         groups: dict[tuple, list[Job]] = {}
         for other in [*held, job]:
             groups.setdefault(id(other) if self.mode == "sequential" else other.batch_key(), []).append(other)
@@ -479,7 +479,7 @@ class Engine:
             batches = math.ceil(sum(o.n for o in members) / self.max_batch_size)
             units = sum(o.units for o in members) / batches
             seconds += batches * max(o.calls_left() for o in members) * self.call_seconds(units)
-        return seconds + sum(self._image_s.values()) * sum(o.n for o in held) + overhead
+        return seconds + per_image * (job.n + sum(o.n for o in held))
 
     def retry_after(self) -> float:
         """Seconds until the queue has room for a request: the time of a full batch of default requests at the
