@@ -137,7 +137,11 @@ def _instantiate_all(cfg: DictConfig):
     from distill.utils.xla import atomic_xla_checkpoint_io
 
     checkpoint_io = atomic_xla_checkpoint_io() if is_xla(cfg.trainer.accelerator) else AtomicCheckpointIO()
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[checkpoint_io])
+    # a method with several roles clips each role's update itself (Lightning refuses to under manual optimization)
+    adopt = getattr(method, "adopt_gradient_clipping", None)
+    own = adopt(cfg.trainer.gradient_clip_val, cfg.trainer.gradient_clip_algorithm,
+                cfg.trainer.accumulate_grad_batches) if adopt is not None else {}
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[checkpoint_io], **own)
     return datamodule, method, trainer
 
 
@@ -152,6 +156,14 @@ def _quiet_known_warnings() -> None:
 
     # The data modules resume mid-epoch themselves (distill.data.resumable), through their own state_dict.
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch ended")
+
+
+def _quiet_manual_optimization_warnings() -> None:
+    import warnings
+
+    # A method with several roles optimizes manually; its checkpoint of a step holds the weights after that step's
+    # updates, as under automatic optimization (Lightning offers to save the weights from before them instead).
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 
 def _write_launch_record(run_dir: Path, launched: str) -> None:
@@ -211,6 +223,8 @@ def run(cfg: DictConfig) -> dict:
             method.check_latent_cache(datamodule)
         if isinstance(datamodule, ResumableDataMixin):
             _quiet_known_warnings()
+        if not method.automatic_optimization:
+            _quiet_manual_optimization_warnings()
         if checkpoint is not None:
             _check_compatible(checkpoint, ckpt_path, method)
     except (InstantiationException, ValueError, FileNotFoundError) as err:

@@ -38,13 +38,16 @@ def closes_optimizer_step(trainer, batch_idx: int) -> bool:
 class EMA(L.Callback):
     """Keeps ``ema`` = EMA of ``pl_module.<attr>``, updated once per optimizer step with the images that step
     used (all micro-batches of an accumulation window, on every rank); a step the non-finite guard skipped moves
-    neither the EMA nor its image count. Validation and export use the EMA weights. Lightning runs ModelCheckpoint
-    after the other callbacks, so a checkpoint holds the EMA of its own step."""
+    neither the EMA nor its image count. ``updates`` counts the student updates it followed: under a method with
+    several roles (``DistillMethod.add_role``) a training step is one student update, whatever the other roles'
+    updates, so the EMA follows the student's alone. Validation and export use the EMA weights. Lightning runs
+    ModelCheckpoint after the other callbacks, so a checkpoint holds the EMA of its own step."""
 
     def __init__(self, half_life_images: float = 20000, rampup_ratio: float | None = 0.05, attr: str = "student"):
         self.half_life_images, self.rampup_ratio, self.attr = half_life_images, rampup_ratio, attr
         self.ema: torch.nn.Module | None = None
         self.seen_images = 0
+        self.updates = 0  # optimizer steps of ``attr`` averaged in (skipped ones not)
         self._window_images = 0  # images of the optimizer step in progress (0 at every step boundary)
         self._pending_state: dict | None = None
         self._backup: dict | None = None
@@ -69,11 +72,13 @@ class EMA(L.Callback):
             return
         if applied is True:
             self.seen_images += batch_images
+            self.updates += 1
             beta = ema_beta(batch_images, self.half_life_images, self.seen_images, self.rampup_ratio)
             ema_update_(self.ema, module, 1.0 - beta)
             return
         # the guard skips on the device: count and average through its 0/1 mask, no host sync
         self.seen_images = self.seen_images + batch_images * applied.to(torch.int64)
+        self.updates = self.updates + applied.to(torch.int64)
         beta = ema_beta(batch_images, self.half_life_images, self.seen_images, self.rampup_ratio)
         ema_update_(self.ema, module, ((1.0 - beta) * applied).float())
 
@@ -107,10 +112,11 @@ class EMA(L.Callback):
     def state_dict(self) -> dict:
         # sharded: gathered to full tensors on every rank (each rank's call is part of the collective)
         return {"ema": full_state(self.ema.state_dict()) if self.ema is not None else None, "seen_images": int(self.seen_images),
-                "window_images": self._window_images}
+                "updates": int(self.updates), "window_images": self._window_images}
 
     def load_state_dict(self, state: dict) -> None:
         self.seen_images = state["seen_images"]
+        self.updates = state.get("updates", 0)  # checkpoints from before it was stored
         self._window_images = state.get("window_images", 0)  # checkpoints from before it was stored
         if self.ema is not None and state["ema"] is not None:
             self.ema.load_state_dict(state["ema"])

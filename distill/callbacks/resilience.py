@@ -195,6 +195,11 @@ class NonFiniteGuard(L.Callback):
     * under a gradient **scaler** (``16-mixed``) the scaler skips a step whose gradients overflow and lowers its
       scale, which is routine while the scale settles: the guard then leaves the gradients to the scaler and
       counts (and aborts on) non-finite losses only.
+
+    A method with several roles (``DistillMethod.add_role``: a critic, a discriminator) skips on the host, each
+    update on its own: a bad critic update skips the critic's step only. The student's skips are ``skipped``
+    (logged as ``train/nonfinite_skipped``), another role's are ``role_skipped[role]``
+    (``train/nonfinite_skipped_<role>``); ``max_consecutive`` bad updates in a row of any one role abort.
     """
 
     def __init__(self, max_consecutive: int = 10, inject_at_steps: list[int] | tuple = ()):
@@ -209,13 +214,20 @@ class NonFiniteGuard(L.Callback):
         self._scaler = False
         self._counters: torch.Tensor | None = None  # on the device: skipped, consecutive, longest run since read
         self._read_step = 0  # the step of the last host read
+        self.role_skipped: dict[str, int] = {}  # roles other than the student's (manual optimization)
+        self.role_consecutive: dict[str, int] = {}
 
     def state_dict(self) -> dict:
         self._read(None, None)  # a checkpoint is never written after an abort-worthy run of bad steps
-        return {"skipped": self.skipped, "consecutive": self.consecutive}
+        state = {"skipped": self.skipped, "consecutive": self.consecutive}
+        if self.role_skipped:
+            state["roles"] = {"skipped": dict(self.role_skipped), "consecutive": dict(self.role_consecutive)}
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.skipped, self.consecutive = state_dict.get("skipped", 0), state_dict.get("consecutive", 0)
+        roles = state_dict.get("roles", {})
+        self.role_skipped, self.role_consecutive = dict(roles.get("skipped", {})), dict(roles.get("consecutive", {}))
         self._counters = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -251,20 +263,38 @@ class NonFiniteGuard(L.Callback):
         finite = loss_finite and (self._scaler or not params or
                                   bool(torch.stack([torch.isfinite(local(p.grad)).all() for p in params]).all()))
         bad = trainer.strategy.reduce_boolean_decision(not finite, all=False)
-        if not bad:
+        role = "student" if getattr(pl_module, "automatic_optimization", True) else pl_module.role_of(optimizer)
+        if role != "student":
+            self._count_role(trainer, pl_module, role, bad)
+        elif not bad:
             self.consecutive = 0
+        if not bad:
             return
         for p in params:  # AdamW and SGD skip parameters without gradients: nothing moves
             if self._scaler:  # the scaler must see the step's gradients (it records its inf checks on them)
                 p.grad.fill_(float("nan"))
             else:
                 p.grad = None
+        if role != "student":
+            return
         self.skipped += 1
         self.consecutive += 1
         pl_module.log("train/nonfinite_skipped", float(self.skipped), rank_zero_only=True)
         log.warning("non-finite loss or gradient at step %d: optimizer step skipped (%d in a row, %d in all)",
                     trainer.global_step, self.consecutive, self.skipped)
         self._check_abort(trainer.global_step, self.consecutive)
+
+    def _count_role(self, trainer, pl_module, role: str, bad: bool) -> None:
+        """Count a non-student role's update: its skips and its run of bad updates in a row."""
+        self.role_skipped.setdefault(role, 0)
+        self.role_consecutive[role] = self.role_consecutive.get(role, 0) + 1 if bad else 0
+        if not bad:
+            return
+        self.role_skipped[role] += 1
+        pl_module.log(f"train/nonfinite_skipped_{role}", float(self.role_skipped[role]), rank_zero_only=True)
+        log.warning("non-finite %s loss or gradient at step %d: that %s update skipped (%d in a row, %d in all)",
+                    role, trainer.global_step, role, self.role_consecutive[role], self.role_skipped[role])
+        self._check_abort(trainer.global_step, self.role_consecutive[role], role)
 
     def _flag_on_device(self, trainer, pl_module, optimizer, params, loss_finite) -> None:
         device = params[0].device if params else pl_module.device
@@ -312,11 +342,12 @@ class NonFiniteGuard(L.Callback):
         self._read_step = step if step is not None else self._read_step
         self._check_abort(step, longest)
 
-    def _check_abort(self, step, run: int) -> None:
+    def _check_abort(self, step, run: int, role: str = "student") -> None:
         if run >= self.max_consecutive:
             where = "" if step is None else f" (read at step {step})"
+            what = "steps" if role == "student" else f"{role} updates"
             raise NonFiniteLossError(
-                f"{run} consecutive steps had a non-finite loss or gradient{where}; stopped without saving. The "
+                f"{run} consecutive {what} had a non-finite loss or gradient{where}; stopped without saving. The "
                 "last good checkpoint is kept. Lower the learning rate, enable gradient clipping "
                 "(trainer.gradient_clip_val), or raise resilience.max_consecutive_nonfinite"
             )

@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import lightning as L
 import torch
 
-from distill.data.latents import encode_latents  # noqa: F401  (its old home: methods and tests import it here)
+from distill.data.latents import (
+    batch_size_of,
+    encode_latents,  # noqa: F401  (its old home: methods and tests import it here)
+)
 from distill.diffusion.noise import (
     NoiseOptions,
     TimeSampler,
@@ -87,6 +91,18 @@ def cpu_has_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+@dataclass(frozen=True)
+class Role:
+    """A network that trains with its own optimizer: ``getattr(method, name)``, its loss ``<name>_loss(batch)``,
+    its optimizer and LR schedule (partials, as ``method.optimizer``: params -> optimizer, optimizer -> scheduler)
+    and its updates per training step (the student's is 1: a step is one student update)."""
+
+    name: str
+    optimizer: Callable
+    lr_scheduler: Callable | None = None
+    updates_per_step: int = 1
+
+
 class DistillMethod(L.LightningModule):
     """Base of every method: ``self.student`` is what trains; ``optimizer``/``lr_scheduler`` are partials.
 
@@ -106,6 +122,20 @@ class DistillMethod(L.LightningModule):
     unbiasing weights); a method passes its time grid's noise levels and weights its per-example losses. With
     antithetic pairs a method's loss pairs its batch first (``paired_batch``) and its other per-example draws (the
     guidance scale, the condition dropout: ``paired``), so that a pair differs only in the sign of its noise.
+
+    Networks and optimizers by role: ``optimizer``/``lr_scheduler`` are the student's; a method with a critic or a
+    discriminator sets ``self.critic`` and calls ``add_role("critic", critic_optimizer, critic_lr_scheduler,
+    updates_per_step=critic_updates_per_step)`` (its constructor's arguments named so), and writes ``loss`` (the
+    student's, also the validation loss) and ``critic_loss(batch)``. With the student alone, Lightning optimizes
+    automatically, as it always did. With several roles the base optimizes manually: each training step runs, on
+    its one batch, ``updates_per_step`` updates of each other role in the order they were added, then the student's
+    update (each: zero its gradients, its loss with only its parameters requiring gradients, backward, the non-finite
+    guard, clipping at the trainer's ``gradient_clip_val`` (``adopt_gradient_clipping``), its optimizer step), then
+    steps each role's LR schedule once. One step is one student update, whatever the other roles' ratios:
+    ``trainer.global_step``, ``trainer.max_steps``, checkpoint names, the loggers' step, the EMA, the LR schedules'
+    step counts (e.g. ``total_steps: ${trainer.max_steps}``) all count student updates. Each role's optimizer and
+    schedule state and update count are in the checkpoint; its random numbers come from the global generators,
+    which the checkpoint holds too (``RNGState``), so a resume is bit-exact. Gradient accumulation is refused there.
     """
 
     def __init__(self, optimizer: Callable, lr_scheduler: Callable | None = None, *, compile: bool = False,
@@ -121,8 +151,12 @@ class DistillMethod(L.LightningModule):
             raise ValueError(f"method.frozen_dtype={frozen_dtype!r}; use one of {sorted(FROZEN_DTYPES)} or null (float32)")
         if compile:
             _check_compile_supported()
-        self.optimizer_factory = optimizer
+        self.optimizer_factory = optimizer  # the student's role (``roles``)
         self.lr_scheduler_factory = lr_scheduler
+        self._other_roles: dict[str, Role] = {}  # add_role
+        self.role_updates: dict[str, int] = {"student": 0}  # updates run under manual optimization (checkpointed)
+        self.gradient_clip_val: float | None = None  # manual optimization: the trainer's (adopt_gradient_clipping)
+        self.gradient_clip_algorithm: str | None = None
         self.compile_networks, self.frozen_dtype, self.channels_last = compile, frozen_dtype, channels_last
         self.latent_cache, self.latent_cache_dir = latent_cache, latent_cache_dir
         self._frozen_autocast_dtype = FROZEN_DTYPES.get(frozen_dtype)
@@ -212,6 +246,8 @@ class DistillMethod(L.LightningModule):
         return per_example.mean()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if not self.automatic_optimization:  # Lightning's own keys hold every role's optimizer and schedule
+            checkpoint["role_updates"] = dict(self.role_updates)
         if self.noise.timesteps != "adaptive":
             return
         if self._time_sampler is not None:
@@ -220,6 +256,7 @@ class DistillMethod(L.LightningModule):
             checkpoint["time_sampler"] = self._pending_time_sampler_state
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.role_updates.update(checkpoint.get("role_updates", {}))
         state = checkpoint.get("time_sampler")
         if state is not None and self.noise.timesteps == "adaptive":
             self._pending_time_sampler_state = state  # the grid is known at the first draw
@@ -366,13 +403,13 @@ class DistillMethod(L.LightningModule):
     def trainable_parameters(self):
         return [p for p in self.student.parameters() if p.requires_grad]
 
-    def _optimizer_factory(self) -> Callable:
-        """The configured optimizer, without ``fused=True`` where a fused kernel cannot run: under ``16-mixed``
-        (Lightning's gradient scaler refuses to clip a fused optimizer, and owns its skip flag) and on devices
-        without fused kernels (XLA); said in the log, never silently."""
+    def _optimizer_factory(self, factory: Callable | None = None) -> Callable:
+        """The configured optimizer (``factory``, default the student's), without ``fused=True`` where a fused
+        kernel cannot run: under ``16-mixed`` (Lightning's gradient scaler refuses to clip a fused optimizer, and
+        owns its skip flag) and on devices without fused kernels (XLA); said in the log, never silently."""
         import functools
 
-        factory = self.optimizer_factory
+        factory = self.optimizer_factory if factory is None else factory
         keywords = getattr(factory, "keywords", None) or {}
         if self.device.type == "xla" and getattr(factory, "func", None) is not None:
             # XLA: torch_xla's sync-free optimizer, so that a non-finite step is skipped without a host read
@@ -412,11 +449,155 @@ class DistillMethod(L.LightningModule):
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
+        if not self.automatic_optimization:
+            return self._configure_role_optimizers()
         optimizer = self._optimizer_factory()(self.trainable_parameters())
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ networks and optimizers by role
+
+    @property
+    def roles(self) -> dict[str, Role]:
+        """Every trained network by role, in the order of their optimizers: the student's, then ``add_role``'s."""
+        student = Role("student", self.optimizer_factory, self.lr_scheduler_factory)
+        return {"student": student, **self.__dict__.get("_other_roles", {})}
+
+    @property
+    def automatic_optimization(self) -> bool:
+        """Lightning's automatic optimization with the student alone; the base's manual one with several roles."""
+        return not self.__dict__.get("_other_roles")
+
+    def add_role(self, name: str, optimizer: Callable, lr_scheduler: Callable | None = None, *,
+                 updates_per_step: int = 1) -> None:
+        """Train ``self.<name>`` (set before the fit) with ``optimizer`` (params -> optimizer) and ``lr_scheduler``
+        (optimizer -> scheduler, stepped once per training step), ``updates_per_step`` times per student update,
+        on the loss ``<name>_loss(batch)``; errors name the constructor's ``<name>_*`` arguments."""
+        if name == "student" or name in self._other_roles:
+            raise ValueError(f"role {name!r} is already declared ({', '.join(self.roles)}); give the network another name")
+        if isinstance(updates_per_step, bool) or not isinstance(updates_per_step, int) or updates_per_step < 1:
+            raise ValueError(f"method.{name}_updates_per_step={updates_per_step!r} must be an integer >= 1 ({name} "
+                             "updates per student update)")
+        if not callable(optimizer):
+            raise ValueError(f"method.{name}_optimizer={optimizer!r} is not an optimizer partial; give one with "
+                             "_target_ (e.g. torch.optim.AdamW) and _partial_: true")
+        if not callable(getattr(self, f"{name}_loss", None)):
+            raise TypeError(f"{type(self).__name__} declares the role {name!r} but defines no {name}_loss(batch)")
+        self._other_roles[name] = Role(name, optimizer, lr_scheduler, updates_per_step)
+        self.role_updates[name] = 0
+
+    def role_parameters(self, name: str) -> list[torch.nn.Parameter]:
+        """What role ``name``'s optimizer trains: ``trainable_parameters`` for the student, else every parameter
+        of ``self.<name>`` that requires gradients."""
+        if name == "student":
+            return self.trainable_parameters()
+        network = getattr(self, name, None)
+        if not isinstance(network, torch.nn.Module):
+            raise TypeError(f"{type(self).__name__} declares the role {name!r} but self.{name} is "
+                            f"{type(network).__name__}, not a network")
+        return [p for p in network.parameters() if p.requires_grad]
+
+    def role_of(self, optimizer) -> str:
+        """The role that ``optimizer`` (a torch optimizer, or Lightning's wrapper of one) updates."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        for name, own in zip(self.roles, self.trainer.optimizers):
+            if own is optimizer:
+                return name
+        raise KeyError(f"{type(optimizer).__name__} is none of {type(self).__name__}'s optimizers ({', '.join(self.roles)})")
+
+    def student_loss(self, batch: dict) -> torch.Tensor:
+        """The student's training loss: ``loss``."""
+        return self.loss(batch)
+
+    def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The method's (the student's) training objective on ``batch``; randomness from ``generator``."""
+        raise NotImplementedError
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
+        """One student update: under automatic optimization the student's loss (plus a mixture's auxiliary loss)
+        for Lightning to step; with several roles, every role's updates (``update_roles``)."""
+        if not self.automatic_optimization:
+            return self.update_roles(batch)
+        n = batch_size_of(batch)
+        loss = self.student_loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=n)
+        return self.add_student_aux_loss(loss, n)
+
+    def update_roles(self, batch: dict) -> None:
+        """One training step on ``batch``: each other role's ``updates_per_step`` updates in the order they were
+        added, then the student's update (during the others' updates ``global_step`` is this step's index, as in
+        an automatic step), then each LR schedule's step."""
+        optimizers = dict(zip(self.roles, self.optimizers()))
+        n = batch_size_of(batch)
+        for role in [*self._other_roles.values(), self.roles["student"]]:
+            for _ in range(role.updates_per_step):
+                self._update(role.name, optimizers[role.name], batch, n)
+        for scheduler in self._role_schedulers.values():
+            scheduler.step()
+
+    def _update(self, name: str, optimizer, batch: dict, n: int) -> None:
+        """One update of role ``name``: only its parameters require gradients meanwhile. The student steps through
+        Lightning's optimizer wrapper (which counts ``global_step``), the others through the strategy directly:
+        the same precision plugin (scaler), callbacks (the non-finite guard) and clipping, uncounted."""
+        with self.toggled_optimizer(optimizer):
+            optimizer.zero_grad()
+            loss = getattr(self, f"{name}_loss")(batch)
+            self.log("train/loss" if name == "student" else f"train/{name}_loss", loss, prog_bar=name == "student",
+                     batch_size=n)
+            if name == "student":
+                loss = self.add_student_aux_loss(loss, n)
+            self.manual_backward(loss)
+            if name == "student":
+                optimizer.step()
+            else:
+                from lightning.pytorch.core.optimizer import do_nothing_closure
+
+                self.trainer.strategy.optimizer_step(optimizer.optimizer, do_nothing_closure, model=self)
+        self.role_updates[name] += 1
+
+    def _configure_role_optimizers(self) -> tuple[list, list]:
+        """One optimizer per role, in role order, and the LR schedulers of those that have one (stepped by
+        ``update_roles``; Lightning steps none under manual optimization, but checkpoints and restores them)."""
+        if self.trainer.world_size > 1:  # DDP syncs the gradients of one backward per forward, not of k + 1
+            raise ValueError(f"{type(self).__name__} trains several roles ({', '.join(self.roles)}), which runs on one "
+                             f"device for now, not {self.trainer.world_size} processes; set trainer.devices=1")
+        optimizers, schedulers, owner = [], [], {}
+        self._role_schedulers = {}
+        for role in self.roles.values():
+            params = self.role_parameters(role.name)
+            for p in params:
+                if owner.setdefault(id(p), role.name) != role.name:
+                    raise ValueError(f"a parameter of role {role.name!r} is also trained by role {owner[id(p)]!r}; "
+                                     "each network trains under one role")
+            optimizer = self._optimizer_factory(role.optimizer)(params)
+            optimizers.append(optimizer)
+            if role.lr_scheduler is not None:
+                self._role_schedulers[role.name] = role.lr_scheduler(optimizer)
+                schedulers.append(self._role_schedulers[role.name])
+        return optimizers, schedulers
+
+    def adopt_gradient_clipping(self, gradient_clip_val: float | None, gradient_clip_algorithm: str | None = None,
+                                accumulate_grad_batches: int = 1) -> dict:
+        """The trainer's settings for this method: with several roles Lightning refuses ``gradient_clip_val``
+        under manual optimization, so the method keeps it and clips each role's update itself, and the returned
+        overrides build the Trainer without it; gradient accumulation is refused there. Nothing changes (``{}``)
+        for the student alone."""
+        if self.automatic_optimization:
+            return {}
+        if accumulate_grad_batches != 1:
+            raise ValueError(f"trainer.accumulate_grad_batches={accumulate_grad_batches}: {type(self).__name__} trains "
+                             f"several roles ({', '.join(self.roles)}) with manual optimization, which accumulates no "
+                             "gradients; set trainer.accumulate_grad_batches=1 (and raise data.batch_size instead)")
+        self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
+        return {"gradient_clip_val": None, "gradient_clip_algorithm": None}
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Under manual optimization, clip the gradients of the update about to step: after the non-finite guard
+        and after a gradient scaler unscaled them, where Lightning clips under automatic optimization."""
+        if not self.automatic_optimization and self.gradient_clip_val:
+            self.configure_gradient_clipping(optimizer, self.gradient_clip_val, self.gradient_clip_algorithm)
 
     def generate(self, batch: dict, generator: torch.Generator) -> torch.Tensor:
         """Images (N, C, H, W) in [-1, 1] for the conditions in ``batch``; each method defines how."""

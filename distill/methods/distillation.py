@@ -147,12 +147,6 @@ class TeacherStudentDistillation(DistillMethod):
         """The method's training objective on ``batch``; randomness from ``generator`` (None: the global RNG)."""
         raise NotImplementedError
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        n = batch_size_of(batch)
-        loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=n)
-        return self.add_student_aux_loss(loss, n)
-
     def validation_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         # fixed noise, timesteps and guidance scales: the held-out loss is comparable across steps and runs
         loss = self.loss(batch, torch.Generator().manual_seed(1000 + batch_idx))

@@ -7,7 +7,9 @@ import torch
 
 def has_gradients(module: torch.nn.Module) -> bool:
     """Whether the optimizer step that just ran moved ``module``: the non-finite guard skips a step by dropping
-    every gradient (on the host), and Lightning zeroes gradients only before the next backward."""
+    every gradient (on the host), and Lightning zeroes gradients only before the next backward. Under a method
+    with several roles each role's update runs with only its own parameters requiring gradients, so another
+    role's update neither gives ``module`` gradients nor drops them."""
     return any(p.grad is not None for p in module.parameters())
 
 
