@@ -123,11 +123,8 @@ def main(argv: list[str] | None = None) -> None:
             guidance = pipeline_defaults(paths[v["pipeline"]]).get("guidance_scale", 1.0)
         if "accelerator" not in v:  # built once (a guide is loaded once), outside the timed calls after the warm-up
             v["accelerator"] = make_accelerator(v["kind"], v["options"])
-        accelerator = v["accelerator"]
-        if accelerator is not None:
-            accelerator.use_scheduler(v["scheduler"], guidance)
-            accelerator.use_labels(torch.full((batch,), args.label))
-        with accelerated(pipe, accelerator):
+        with accelerated(pipe, v["accelerator"], scheduler_name=v["scheduler"], guidance_scale=guidance,
+                         labels=torch.full((batch,), args.label)):
             return pipe([args.prompt] * batch, num_inference_steps=v["steps"], guidance_scale=guidance,
                         generator=torch.Generator().manual_seed(0), output_type="pt").images
 

@@ -11,7 +11,16 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from distill.accelerate import ACCELERATE_CONF, DeepCache, Forecast, accelerated, preset
+from distill.accelerate import (
+    ACCELERATE_CONF,
+    DeepCache,
+    Forecast,
+    SamplingContext,
+    accelerated,
+    accelerated_unet,
+    context_of,
+    preset,
+)
 from distill.accelerate.deepcache import branch_layers, full_steps
 from distill.accelerate.forecast import (
     fit_forecaster,
@@ -54,7 +63,7 @@ def test_interval_1_and_no_prediction_equal_plain_sampling_and_hooks_go_away(pip
         assert torch.equal(images, plain) and n == calls == 8, accelerator.describe()
     assert not getattr(pipe.unet, "_diffusers_hook", None) or not pipe.unet._diffusers_hook.hooks
     assert "forward" not in pipe.unet.__dict__  # the class's forward again, no wrapper left behind
-    assert "progress_bar" not in pipe.__dict__
+    assert "progress_bar" not in pipe.__dict__ and context_of(pipe.unet) is None
     again, _ = _sample(pipe, None, scheduler=scheduler)
     assert torch.equal(again, plain)
 
@@ -70,15 +79,14 @@ def sd_layout_unet() -> UNet2DConditionModel:
 
 
 def _loop(unet, scheduler, steps, accelerator=None):
-    """A denoising loop as a pipeline runs it (positional timestep, as DeepCacheSDHelper reads it)."""
+    """A denoising loop as a pipeline runs it (positional timestep, as DeepCacheSDHelper reads it), with
+    ``accelerator`` on ``unet`` for its ``steps`` calls."""
     scheduler.set_timesteps(steps)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, 16, 16, generator=generator)
     text = torch.randn(2, 5, 16, generator=generator)
-    if accelerator is not None:
-        accelerator.reset(steps)
     outs = []
-    with torch.no_grad():
+    with accelerated_unet(unet, accelerator, steps), torch.no_grad():
         for t in scheduler.timesteps:
             out = unet(x, t, encoder_hidden_states=text).sample
             outs.append(out)
@@ -98,10 +106,7 @@ def test_deepcache_equals_the_deepcache_package_on_a_stable_diffusion_layout(bra
     reference = _loop(unet, scheduler, 10)
     helper.disable()
     plain = _loop(unet, scheduler, 10)
-    accelerator = DeepCache(interval=3, branch=branch)
-    accelerator.attach(unet)
-    mine = _loop(unet, scheduler, 10, accelerator)
-    accelerator.detach()
+    mine = _loop(unet, scheduler, 10, DeepCache(interval=3, branch=branch))
     assert torch.equal(mine, reference)
     assert torch.equal(mine[0], plain[0]) and not torch.equal(mine[1], plain[1])  # step 1 is the first cached
 
@@ -117,18 +122,16 @@ def test_cached_steps_run_only_the_shallow_branch_and_save_flops():
         next(m for m in module.modules() if not list(m.children())).register_forward_pre_hook(
             lambda m, a, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
     accelerator = DeepCache(interval=2, branch=1)
-    accelerator.attach(unet)
     from diffusers import DDIMScheduler
 
     _loop(unet, DDIMScheduler(), 4, accelerator)
     deep = {n for n, _, d in layers if d > 1}
     assert all(calls[n] == 2 for n in deep) and all(calls[n] == 4 for n in calls if n not in deep)
     x, t, text = torch.randn(1, 4, 16, 16), torch.tensor(10), torch.randn(1, 5, 16)
-    accelerator.reset(2)
-    full = count_flops(lambda: unet(x, t, encoder_hidden_states=text))
-    cached = count_flops(lambda: unet(x, t, encoder_hidden_states=text))
+    with accelerated_unet(unet, accelerator, 2):
+        full = count_flops(lambda: unet(x, t, encoder_hidden_states=text))
+        cached = count_flops(lambda: unet(x, t, encoder_hidden_states=text))
     assert cached < 0.5 * full
-    accelerator.detach()
 
 
 def deepcache_sample_from_quad_center():
@@ -190,18 +193,15 @@ def test_the_taylor_forecast_is_taylorseers_expansion():
     f1 = outs[2] - outs[1]
     f2 = (outs[2] - outs[1]) - (outs[1] - outs[0])
     net, forecast = Recorded(outs), Forecast(order=2, warmup=3, steps=[0, 1, 2])
-    forecast.attach(net)
-    forecast.reset(5)
-    got = [net(torch.tensor(k)) for k in range(5)]
-    forecast.detach()
+    with accelerated_unet(net, forecast, 5):
+        got = [net(torch.tensor(k)) for k in range(5)]
     assert net.calls == 3
     for s, k in ((1, 3), (2, 4)):
         assert torch.allclose(got[k], outs[2] + f1 * s + f2 * s * s / 2)
     # a trajectory linear in the step is forecast exactly at order 1
     net, line = Recorded([torch.full((2,), 3.0 * k + 1) for k in range(10)]), Forecast(order=1, interval=3, last=0)
-    line.attach(net)
-    line.reset(10)
-    got = [float(net(torch.tensor(k))[0]) for k in range(10)]
+    with accelerated_unet(net, line, 10):
+        got = [float(net(torch.tensor(k))[0]) for k in range(10)]
     assert got == [3.0 * k + 1 for k in range(10)] and net.calls == len(real_steps(10, 3, 2, 0)) < 10
 
 
@@ -253,7 +253,7 @@ def test_heun_calls_twice_a_step_deepcache_counts_calls_and_forecast_refuses(pip
     assert n == 11 and torch.isfinite(images).all() and (images - plain).abs().mean() < 0.15
     with pytest.raises(ValueError, match="calls the UNet 11 times for 6 steps"):
         _sample(pipe, Forecast(interval=2), 6, "heun")
-    assert "progress_bar" not in pipe.__dict__  # disabled after the failure too
+    assert context_of(pipe.unet) is None and "forward" not in pipe.unet.__dict__  # disabled after the failure too
 
 
 @pytest.mark.parametrize("which, shared", [("timestep", ()), ("timestep", ("conv_in", "down_blocks.0", "mid_block")),
@@ -273,7 +273,7 @@ def test_accelerators_run_on_moe_students(pipe, which, shared):
             if accelerator.describe().startswith("deepcache(N=1"):
                 assert torch.equal(images, plain)
         cache = DeepCache(interval=2)
-        cache.attach(student)
+        cache.attach(student, SamplingContext())
         assert len(cache.caches) == (2 if which == "timestep" else 1)  # one cache per expert UNet
         cache.detach()
     finally:
@@ -295,7 +295,7 @@ def test_bad_forecast_settings_and_a_branch_beyond_the_unet_raise(pipe):
         with pytest.raises(ValueError, match=needle):
             Forecast(**kwargs)
     with pytest.raises(ValueError, match="accelerate.options.branch=9"):
-        DeepCache(branch=9).attach(pipe.unet)
+        DeepCache(branch=9).attach(pipe.unet, SamplingContext())
     assert not getattr(pipe.unet, "_diffusers_hook", None) or not pipe.unet._diffusers_hook.hooks
     assert preset("none") is None and isinstance(preset("deepcache"), DeepCache)
     with pytest.raises(ValueError, match="accelerator 'warp'"):
@@ -409,8 +409,7 @@ def test_guidance_gradient_equals_a_finite_difference(pipe, tiny_guide, mode):
 
     shipped = {"x0": "classifier", "clip": "clip"}  # clean-image guides: the digits assets the presets name
     guidance = ClassifierGuidance(mode=mode, classifier=str(tiny_guide if mode == "noisy" else asset_path(shipped[mode])))
-    guidance.use_pipeline(pipe)
-    guidance.attach(pipe.unet)
+    guidance.attach(pipe.unet, SamplingContext(pipe=pipe))
     guidance.detach()
     (guidance.classifier[0] if mode == "clip" else guidance.classifier).double()  # float64 throughout: the
     guidance.vae = copy.deepcopy(pipe.vae).double()  # finite difference then resolves the gradient
@@ -435,13 +434,10 @@ def test_guided_noise_prediction_is_the_papers_formula_and_scale_0_is_unguided(p
     with torch.no_grad():
         plain = unet(x, t, encoder_hidden_states=text).sample
     guidance = ClassifierGuidance(scale=2.5, classifier=str(tiny_guide))
-    guidance.use_pipeline(pipe)
-    guidance.use_scheduler("ddim", 3.0)
-    guidance.use_labels(torch.tensor([5, -1]))  # two prompts, batch doubled by CFG; the second unlabelled
-    guidance.attach(unet)
-    with torch.no_grad():
+    # two prompts, batch doubled by CFG; the second unlabelled
+    with accelerated(pipe, guidance, scheduler_name="ddim", guidance_scale=3.0, labels=torch.tensor([5, -1])), \
+            torch.no_grad():
         guided = unet(x, t, encoder_hidden_states=text).sample
-    guidance.detach()
     labels = torch.tensor([5, 0, 5, 0])
     grad = guidance.gradient(x, 600, labels)
     abar = pipe.scheduler.alphas_cumprod[600]
@@ -487,15 +483,14 @@ def test_a_guide_that_does_not_fit_the_latents_is_refused(pipe, tmp_path):
 
     NoisyLatentClassifier(in_channels=3, sample_size=8, channels=(8,), time_dim=8, groups=4).save_pretrained(tmp_path)
     guidance = ClassifierGuidance(classifier=str(tmp_path))
-    guidance.use_pipeline(pipe)
     with pytest.raises(ValueError, match="accelerate.options.classifier: the guide takes 3x8x8"):
-        guidance.attach(pipe.unet)
+        guidance.attach(pipe.unet, SamplingContext(pipe=pipe))
     with pytest.raises(ValueError, match="accelerate.options.scale=-1"):
         ClassifierGuidance(scale=-1)
     with pytest.raises(ValueError, match="accelerate.options.classifier is not set: give the folder of a Noisy"):
         ClassifierGuidance()
     with pytest.raises(FileNotFoundError, match="accelerate.options.classifier="):
-        ClassifierGuidance(classifier=str(tmp_path / "none")).attach(pipe.unet)
+        ClassifierGuidance(classifier=str(tmp_path / "none")).attach(pipe.unet, SamplingContext())
     proc = _evaluate(tmp_path / "cli", "accelerate=classifier", f"accelerate.options.classifier={tmp_path}",
                      "steps=[2]", "num_per_class=1")
     assert proc.returncode == 2 and "the guide takes 3x8x8" in proc.stderr, proc.stderr[-2000:]
@@ -542,13 +537,10 @@ def test_x0_guidance_under_cfg_adds_one_term_from_the_guided_prediction(pipe, ti
     with torch.no_grad():
         plain = unet(x, t, encoder_hidden_states=text).sample
     guidance = ClassifierGuidance(scale=0.1, mode="x0", classifier=str(asset_path("classifier")))  # on the decoded x0
-    guidance.use_pipeline(pipe)  # diffusers' CFG batch: [unconditional, conditional]
-    guidance.use_scheduler("ddim", 3.0)
-    guidance.use_labels(torch.tensor([2, 9]))
-    guidance.attach(unet)
-    with torch.no_grad():
+    # diffusers' CFG batch: [unconditional, conditional]
+    with accelerated(pipe, guidance, scheduler_name="ddim", guidance_scale=3.0, labels=torch.tensor([2, 9])), \
+            torch.no_grad():
         guided = unet(x, t, encoder_hidden_states=text).sample
-    guidance.detach()
     combined = plain[:2] + 3.0 * (plain[2:] - plain[:2])
     grad = guidance.gradient(x[:2], 300, torch.tensor([2, 9]), combined)
     shift = (1 - pipe.scheduler.alphas_cumprod[300]).sqrt() * 0.1 * grad
@@ -583,9 +575,7 @@ def test_clip_guidance_steers_empty_prompts_towards_their_captions(pipe):
     labels = torch.arange(10).repeat(2)
 
     def accuracy(guidance):
-        with accelerated(pipe, guidance):
-            if guidance is not None:
-                guidance.use_prompts(captions)
+        with accelerated(pipe, guidance, prompts=captions):
             images = pipe([""] * len(captions), num_inference_steps=10, guidance_scale=1.0,
                           generator=torch.Generator().manual_seed(0), output_type="pt").images
         with torch.no_grad():
@@ -606,14 +596,12 @@ def test_a_chains_nonuniform_cache_schedules_the_calls_the_forecast_computes():
     unet = sd_layout_unet()
     cache, forecast = DeepCache(interval=3, schedule="nonuniform"), Forecast(interval=2)
     chain = Chain([cache, forecast])
-    chain.attach(unet)
     full_calls = []  # the cache's call index whenever the mid block (a cached layer) really computes
     leaf = next(m for m in unet.mid_block.modules() if not list(m.children()))
     handle = leaf.register_forward_pre_hook(lambda m, a: full_calls.append(cache.step))
     with NFECounter(unet) as counter:
         _loop(unet, DDIMScheduler(), 20, chain)
     handle.remove()
-    chain.detach()
     real = len(real_steps(20, 2, 2, 1))
     assert real == counter.calls == cache.step + 1 == 11 and cache.num_calls == 11
     assert full_calls == full_steps(11, 3, "nonuniform") == [0, 3, 4, 7]

@@ -4,12 +4,17 @@ classifier-free guidance), each a sampling option that ``distill.evaluate``
 and the quality-cost callback sweep like schedulers (``accelerate=deepcache`` or ``accelerators=[none,...]``).
 
     from distill.accelerate import DeepCache, accelerated
-    with accelerated(pipe, DeepCache(interval=3)):
-        image = pipe(prompt).images[0]
+    with accelerated(pipe, DeepCache(interval=3)) as context:
+        image = pipe(prompt, callback_on_step_end=context.step_end).images[0]
+
+Each accelerator sees the network calls with one ``SamplingContext`` (``distill.accelerate.context``). A new one
+is one file: a subclass of ``Accelerator`` registered with ``@ACCELERATORS.register("<kind>")`` (see
+``tests/examples/toy_accelerator.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -24,12 +29,12 @@ from distill.accelerate.base import (
     disable,
     enable,
 )
+from distill.accelerate.context import SamplingContext, context_of
 from distill.accelerate.deepcache import DeepCache
 from distill.accelerate.forecast import Forecast
 from distill.accelerate.guidance import ClassifierGuidance
+from distill.accelerate.registry import ACCELERATORS
 
-ACCELERATORS: dict[str, type[Accelerator]] = {"none": NoAccelerator, "deepcache": DeepCache, "forecast": Forecast,
-                                               "classifier": ClassifierGuidance}
 ACCELERATE_CONF = Path(__file__).resolve().parents[1] / "conf" / "accelerate"
 
 
@@ -44,19 +49,19 @@ def accelerator_options(name: str) -> dict:
 
 
 def make_accelerator(kind: str, options: dict | None = None, **context) -> Accelerator | None:
-    """The accelerator ``kind`` with ``options`` (None for ``none``); ``context`` fills options it takes and the
-    user left out (the pipeline's folder and the scheduler, for a fitted forecaster)."""
+    """The accelerator ``kind`` with ``options`` (None for ``none``); ``context`` fills the options its class
+    takes and the user left out (``path``: the pipeline's folder, where a fitted forecaster's coefficients are)."""
     if kind not in ACCELERATORS:
         raise ValueError(f"accelerate.kind={kind!r} is unknown; use one of {sorted(ACCELERATORS)}")
     if kind == "none":
         return None
-    options = dict(options or {})
-    if kind == "forecast":  # the pipeline folder holds a fitted forecaster's coefficients
-        for key, value in context.items():
-            if options.get(key) is None:
-                options[key] = value
+    cls, options = ACCELERATORS.get(kind), dict(options or {})
+    takes = inspect.signature(cls).parameters
+    for key, value in context.items():
+        if key in takes and options.get(key) is None:
+            options[key] = value
     try:
-        return ACCELERATORS[kind](**options)
+        return cls(**options)
     except TypeError as err:  # an option the accelerator does not take
         raise ValueError(f"accelerate.options for {kind}: {err}") from err
 
@@ -70,5 +75,6 @@ def preset(name: str, **context) -> Accelerator | None:
     return make_accelerator(node["kind"], node["options"], **context)
 
 
-__all__ = ["ACCELERATORS", "Accelerator", "Chain", "ClassifierGuidance", "DeepCache", "Forecast", "NoAccelerator", "accelerated",
-           "accelerated_unet", "accelerator_options", "check_schedulers", "disable", "enable", "make_accelerator", "preset"]
+__all__ = ["ACCELERATORS", "Accelerator", "Chain", "ClassifierGuidance", "DeepCache", "Forecast", "NoAccelerator",
+           "SamplingContext", "accelerated", "accelerated_unet", "accelerator_options", "check_schedulers",
+           "context_of", "disable", "enable", "make_accelerator", "preset"]

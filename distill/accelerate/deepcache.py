@@ -14,9 +14,10 @@ paper's non-uniform 1:N strategy around ``center * T`` (``full_steps``: equal to
 ``sample_from_quad_center``). Inside a chain with a forecast, ``T`` counts only the forecast's real calls.
 
 Every UNet inside the denoiser (one for a plain or compressed UNet, one per expert of a timestep MoE) keeps its
-own cache (layers shared by experts included); the calls are counted once, at the denoiser, over a trajectory of
-as many calls as the scheduler makes (``scheduler_calls``: Heun calls twice a step); a UNet's first call,
-or one whose batch or dtype differs from the cached one, runs in full. The
+own cache (layers shared by experts included); the calls are counted once, at the denoiser (``call``), over a
+trajectory of as many calls as the scheduler makes (``SamplingContext.num_calls``: Heun calls twice a step); a
+UNet's first call, or one whose batch or dtype differs from the cached one, runs in full, and a cached call is
+recorded in the context (``ran = "cached"``). The
 package ``DeepCache`` (0.1.1) patches a pipeline's ``unet.down_blocks`` the same way but needs the UNet at
 ``pipe.unet`` (no MoE), finds the step by ``scheduler.timesteps.index(t)`` (wrong where a scheduler repeats a
 timestep) and implements its non-uniform schedule only in pipelines copied from diffusers 0.24; the tests check
@@ -31,10 +32,11 @@ import math
 import numpy as np
 from torch import nn
 
-from distill.accelerate.base import Accelerator, add_hook, remove_hook
+from distill.accelerate.base import Accelerator
+from distill.accelerate.hooks import add_hook, remove_hook
+from distill.accelerate.registry import ACCELERATORS
 
 HOOK = "distill_deepcache"
-STEP_HOOK = "distill_deepcache_step"
 SCHEDULES = ("uniform", "nonuniform")
 # the non-uniform schedule's centre (a fraction of the steps) and power: DeepCache's own Stable Diffusion example
 # (stable_diffusion.py) passes center=15 of its 50 steps and pow=1.4
@@ -130,6 +132,8 @@ class _UNetCache:
         self.full = self.key != key or self.owner.is_full(self.owner.step)
         if self.full:
             self.outputs.clear()
+        else:
+            self.owner.context.ran = "cached"
         self.key = key
         previous, self.owner.active = self.owner.active, self
         try:
@@ -152,6 +156,7 @@ class _UNetCache:
         remove_hook(self.unet, HOOK)
 
 
+@ACCELERATORS.register("deepcache")
 class DeepCache(Accelerator):
     """Cache the deep features of every UNet in the denoiser: the whole UNet on the full steps of ``schedule``
     (every ``interval``-th), the shallow skip branch ``branch`` only on the others. ``interval=1`` is plain
@@ -181,12 +186,12 @@ class DeepCache(Accelerator):
         extra = "" if self.schedule == "uniform" else f",{self.schedule}"
         return f"deepcache(N={self.interval},b={self.branch}{extra})"
 
-    def attach(self, unet: nn.Module) -> None:
+    def attach(self, denoiser: nn.Module, context) -> None:
         self.detach()
-        unets = [m for m in unet.modules() if is_unet(m)]
+        unets = [m for m in denoiser.modules() if is_unet(m)]
         if not unets:
             raise ValueError(f"accelerate=deepcache needs a UNet (conv_in, down_blocks, mid_block, up_blocks); "
-                             f"the denoiser is a {type(unet).__name__}")
+                             f"the denoiser is a {type(denoiser).__name__}")
         try:
             for inner in unets:
                 self.caches.append(_UNetCache(inner, self.branch, self))
@@ -200,12 +205,11 @@ class DeepCache(Accelerator):
         self.layers = list(seen.values())
         for module in self.layers:  # one hook per module, answering for whichever UNet is running
             add_hook(module, HOOK, functools.partial(self._layer_call, id(module)))
-        # the step is counted once, at the denoiser (an MoE's experts share it), outside the caches' hooks but
-        # inside any accelerator attached later (a forecast's predicted calls compute nothing and count not)
-        add_hook(unet, STEP_HOOK, self._counted)
-        super().attach(unet)
+        super().attach(denoiser, context)
 
-    def _counted(self, forward, *args, **kwargs):
+    def call(self, context, forward, *args, **kwargs):
+        # counted once, at the denoiser (an MoE's experts share it), inside any accelerator chained after this
+        # one (a forecast's predicted calls compute nothing and count not)
         self.step += 1
         return forward(*args, **kwargs)
 
@@ -216,8 +220,6 @@ class DeepCache(Accelerator):
 
     def detach(self) -> None:
         # last registered first: diffusers' registry cannot unwire a hook that a later one wraps
-        if getattr(self, "unet", None) is not None:
-            remove_hook(self.unet, STEP_HOOK)
         for module in self.layers:
             remove_hook(module, HOOK)
         for cache in reversed(self.caches):
@@ -225,8 +227,8 @@ class DeepCache(Accelerator):
         self.caches, self.layers, self.active = [], [], None
         super().detach()
 
-    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None, order: int = 1) -> None:
-        super().reset(num_inference_steps, num_calls, order)
+    def begin(self, context, num_calls: int | None) -> None:
+        super().begin(context, num_calls)
         self._full = (set(full_steps(self.num_calls, self.interval, self.schedule, self.center, self.power))
                       if self.num_calls and self.schedule != "uniform" else None)
         self.step = -1
@@ -234,5 +236,5 @@ class DeepCache(Accelerator):
             cache.reset()
 
     def is_full(self, call: int) -> bool:
-        """Whether the ``call``-th call since the reset that reaches the cache runs in full."""
+        """Whether the ``call``-th call of the trajectory that reaches the cache runs in full."""
         return call in self._full if self._full is not None else call % self.interval == 0

@@ -1,9 +1,9 @@
 """Step forecasting: predict the denoiser's output on some steps from the outputs of the steps computed before,
 and skip the network there (the "accelerate" method).
 
-The UNet calls of a trajectory (``distill.accelerate.base.scheduler_calls``: one a step for first-order and
-multistep schedulers, one more for PNDM's PLMS warm-up, only the steps run at img2img ``strength < 1``) are real
-(the network runs) or predicted, by a pattern: the first ``warmup`` and the last ``last`` calls are real, and
+The network calls of a trajectory (``SamplingContext.num_calls``: one a step for first-order and multistep
+schedulers, one more for PNDM's PLMS warm-up, only the steps run at img2img ``strength < 1``) are real (the
+network runs) or predicted (it does not, and the sampling context records so), by a pattern: the first ``warmup`` and the last ``last`` calls are real, and
 between them one call in ``interval`` (``interval=1``: every call is real, plain sampling); or an explicit list of
 real calls. A second-order scheduler (Heun: two calls a step, at two points) is refused. Two predictors:
 
@@ -27,17 +27,9 @@ from pathlib import Path
 import torch
 from diffusers.hooks.taylorseer_cache import TaylorSeerState
 
-from distill.accelerate.base import (
-    PREDICTED,
-    Accelerator,
-    add_hook,
-    check_schedulers,
-    like_output,
-    output_tensor,
-    remove_hook,
-)
+from distill.accelerate.base import Accelerator, check_schedulers, like_output, output_tensor
+from distill.accelerate.registry import ACCELERATORS
 
-HOOK = "distill_forecast"
 PREDICTORS = ("taylor", "fitted")
 FILE = "forecaster.json"
 
@@ -158,6 +150,7 @@ def _refuse_second_order(order: int, name: str, calls: str = "") -> None:
                          f"({calls}two calls a step, at two points); use a first-order or multistep scheduler")
 
 
+@ACCELERATORS.register("forecast")
 class Forecast(Accelerator):
     """Skip the denoiser on the predicted steps of the pattern and return a forecast of its output instead:
     ``predictor=taylor`` (of ``order``) or ``fitted`` (coefficients from ``forecaster.json`` in ``path``,
@@ -179,7 +172,6 @@ class Forecast(Accelerator):
         self.predictor, self.interval, self.warmup, self.last = predictor, interval, warmup, last
         self.steps, self.order, self.path, self.scheduler = steps, order, path, scheduler
         self._given_scheduler, self.guidance_scale, self._given_guidance = scheduler, guidance_scale, guidance_scale
-        self.pipe = None
         self.fitted: FittedForecaster | None = None
         self._fits: dict[tuple, FittedForecaster] = {}
         self.num_inference_steps, self.real = None, None
@@ -190,13 +182,6 @@ class Forecast(Accelerator):
     def describe(self) -> str:
         pattern = f"steps={list(self.steps)}" if self.steps is not None else f"N={self.interval}"
         return f"forecast({self.predictor}{self.order if self.predictor == 'taylor' else ''},{pattern})"
-
-    def use_scheduler(self, name: str, guidance_scale: float | None = None) -> None:
-        self.scheduler = self._given_scheduler or name
-        self.guidance_scale = self._given_guidance if self._given_guidance is not None else guidance_scale
-
-    def use_pipeline(self, pipe) -> None:
-        self.pipe = pipe
 
     def check_scheduler(self, scheduler) -> None:
         _refuse_second_order(getattr(scheduler, "order", 1), scheduler.__name__ if isinstance(scheduler, type)
@@ -223,21 +208,14 @@ class Forecast(Accelerator):
     def pattern(self, num_steps: int) -> list[int]:
         return real_steps(num_steps, self.interval, self.warmup, self.last, self.steps)
 
-    def attach(self, unet: torch.nn.Module) -> None:
-        self.detach()
-        add_hook(unet, HOOK, self._call)
-        super().attach(unet)
-
-    def detach(self) -> None:
-        if getattr(self, "unet", None) is not None:
-            remove_hook(self.unet, HOOK)
-            self.unet.__dict__.pop(PREDICTED, None)
-        super().detach()
-
-    def reset(self, num_inference_steps: int | None = None, num_calls: int | None = None, order: int = 1) -> None:
-        super().reset(num_inference_steps, num_calls, order)
+    def begin(self, context, num_calls: int | None) -> None:
+        super().begin(context, num_calls)
+        num_inference_steps, sampler = self.num_inference_steps, context.scheduler
+        # the options name the scheduler and guidance the coefficients were fitted for, else the caller does
+        self.scheduler = self._given_scheduler or context.scheduler_name
+        self.guidance_scale = self._given_guidance if self._given_guidance is not None else context.guidance_scale
         if num_inference_steps:
-            _refuse_second_order(order, type(self.pipe.scheduler).__name__ if self.pipe is not None else "the scheduler",
+            _refuse_second_order(context.order, type(sampler).__name__ if sampler is not None else "the scheduler",
                                  f"it calls the UNet {self.num_calls} times for {num_inference_steps} steps: ")
         self.real = set(self.pattern(self.num_calls)) if self.num_calls else None
         self.history, self.calls, self.key = [], 0, None
@@ -248,14 +226,14 @@ class Forecast(Accelerator):
             if self.path is None or self.scheduler is None:
                 raise ValueError("accelerate.options.predictor=fitted needs the forecaster's folder and scheduler "
                                  "(distill.evaluate passes the pipeline's; set accelerate.options.path=...)")
-            scheduled = getattr(self.pipe.scheduler, "num_inference_steps", None) if self.pipe is not None else None
+            scheduled = getattr(sampler, "num_inference_steps", None)
             if self.num_calls != num_inference_steps or scheduled not in (None, num_inference_steps):
                 raise ValueError(f"accelerate.options.predictor=fitted has coefficients for whole trajectories of one "
                                  f"call a step, but this call makes {self.num_calls} UNet calls for "
                                  f"{num_inference_steps} steps" + (f" of {scheduled}" if scheduled else "") +
                                  " (PNDM's warm-up call, or img2img at strength < 1); use predictor=taylor")
             self.fitted = self._coefficients(self.scheduler, num_inference_steps, self.guidance_scale)
-            used = type(self.pipe.scheduler).__name__ if self.pipe is not None else None
+            used = type(sampler).__name__ if sampler is not None else None
             if used is not None and self.fitted.scheduler_class not in (None, used):
                 raise ValueError(f"the forecaster for {self.fitted.key} was fitted on {self.fitted.scheduler_class} "
                                  f"trajectories, but the pipeline samples with {used}; fit it again for this one")
@@ -273,22 +251,20 @@ class Forecast(Accelerator):
         self.last_timestep = t
         return self.position
 
-    def _call(self, forward, *args, **kwargs):
+    def call(self, context, forward, *args, **kwargs):
         sample = args[0] if args else kwargs["sample"]
         key = (tuple(sample.shape), sample.dtype)
         step, self.calls = self.calls, self.calls + 1
         position = self._advance(args[1] if len(args) > 1 else kwargs.get("timestep"))
         # after a real call of the same batch (TaylorSeer lowers the order while fewer real outputs exist)
         predict = self.real is not None and step not in self.real and self.key == key
-        if predict:
+        if predict:  # no network runs: the context records the call as predicted
             if self.predictor == "taylor":
                 self.taylor.current_step = position  # at a repeated timestep: the last real output itself
                 pred = self.taylor.predict()[0]
             else:
                 pred = self.fitted.predict(step, self.history, sample)
-            self.unet.__dict__[PREDICTED] = True
             return like_output(self._template, pred.to(output_tensor(self._template).dtype))
-        self.unet.__dict__[PREDICTED] = False
         out = forward(*args, **kwargs)
         self.key, self._template = key, out
         tensor = output_tensor(out).detach()
@@ -298,5 +274,3 @@ class Forecast(Accelerator):
             self.taylor.current_step = position
             self.taylor.update((tensor,))
         return out
-
-

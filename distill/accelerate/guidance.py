@@ -18,9 +18,9 @@ It is an alternative to classifier-free guidance (one UNet pass a step instead o
 forward and backward), and combines with it: under CFG the UNet batch holds the unconditional and conditional
 halves (the same x_t), the gradient is taken once (in x0 mode at the x0 of the CFG-combined prediction) and both
 halves get the same term, so the guided prediction is CFG's plus the classifier term once. A prompt whose
-label is unknown (-1) is sampled unguided. Labels and prompts come from the sampler (``use_labels`` /
-``use_prompts``; ``distill.evaluate`` passes the evaluation set's, also under ``null_prompts``) or the ``labels``
-/ ``prompts`` options.
+label is unknown (-1) is sampled unguided. Labels and prompts come from the sampling context (``labels`` /
+``prompts``; ``distill.evaluate`` passes the evaluation set's, also under ``null_prompts``) or the ``labels`` /
+``prompts`` options.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from distill.accelerate.base import Accelerator, add_hook, like_output, output_tensor, remove_hook
+from distill.accelerate.base import Accelerator, like_output, output_tensor
+from distill.accelerate.registry import ACCELERATORS
 
-HOOK = "distill_classifier_guidance"
 MODES = ("noisy", "x0", "clip")
 GUIDE_KINDS = {"noisy": "NoisyLatentClassifier", "x0": "DigitClassifier", "clip": "CLIP model"}
 
@@ -59,6 +59,7 @@ def load_guide(mode: str, path: str):
     return model.eval().requires_grad_(False)
 
 
+@ACCELERATORS.register("classifier")
 class ClassifierGuidance(Accelerator):
     """Classifier guidance of scale ``scale`` (0: unguided) by the classifier at ``classifier`` (``mode``)."""
 
@@ -75,32 +76,22 @@ class ClassifierGuidance(Accelerator):
                              "(the presets accelerate=classifier, classifier_x0, classifier_clip name the shipped ones)")
         self.scale, self.mode, self.path = float(scale), mode, classifier
         self.fixed_labels = None if labels is None else torch.as_tensor(list(labels), dtype=torch.long)
-        self.labels = self.fixed_labels
         self.fixed_prompts = None if prompts is None else list(prompts)
-        self.prompts, self._text = self.fixed_prompts, None
+        self._text = None
         self.classifier, self.alphas_cumprod, self.vae, self.pipe = None, None, None, None
-        self.guidance_scale, self.uncond_first = None, True
+        self.uncond_first = True
 
     def describe(self) -> str:
         return f"classifier({self.mode},s={self.scale:g})"
 
     @property
     def needs_labels(self) -> bool:
-        """Whether the caller must give each call's class labels (``use_labels``): a classifier's guide without
-        fixed labels; the CLIP guide steers towards the prompts."""
+        """Whether the caller must give each call's class labels (the context's ``labels``): a classifier's
+        guide without fixed labels; the CLIP guide steers towards the prompts."""
         return self.mode != "clip" and self.fixed_labels is None
 
-    def use_labels(self, labels: torch.Tensor | None) -> None:
-        self.labels = self.fixed_labels if self.fixed_labels is not None else labels
-
-    def use_scheduler(self, name: str, guidance_scale: float | None = None) -> None:
-        self.guidance_scale = guidance_scale
-
-    def use_prompts(self, prompts: list[str] | None) -> None:
-        self.prompts = self.fixed_prompts if self.fixed_prompts is not None else (
-            None if prompts is None else list(prompts))
-
     def use_pipeline(self, pipe) -> None:
+        """The pipeline's noise schedule, VAE and CFG batch order (what the guide's gradient needs)."""
         config = pipe.scheduler.config
         if config.get("prediction_type", "epsilon") != "epsilon":
             raise ValueError(f"accelerate=classifier guides a noise prediction; the pipeline's scheduler says "
@@ -110,30 +101,26 @@ class ClassifierGuidance(Accelerator):
         # diffusers' pipelines batch CFG as [unconditional, conditional]; distill's class pipeline the other way
         self.uncond_first = getattr(pipe, "cfg_uncond_first", True)
 
-    def attach(self, unet: torch.nn.Module) -> None:
+    def attach(self, denoiser: torch.nn.Module, context) -> None:
         self.detach()
+        if context.pipe is not None:
+            self.use_pipeline(context.pipe)
         if self.classifier is None:
             self.classifier = load_guide(self.mode, self.path)
-        config = unet.config
+        config = denoiser.config
         if self.mode == "noisy":
             want = (self.classifier.in_channels, self.classifier.sample_size)
             have = (config.get("in_channels"), config.get("sample_size"))
             if want != have:
                 raise ValueError(f"accelerate.options.classifier: the guide takes {want[0]}x{want[1]}x{want[1]} "
-                                 f"latents, the UNet makes {have[0]}x{have[1]}x{have[1]}; give a classifier of this "
-                                 "model's latents")
+                                 f"latents, the denoiser makes {have[0]}x{have[1]}x{have[1]}; give a classifier of "
+                                 "this model's latents")
         elif self.mode == "x0" and self.vae is None and config.get("in_channels") != self.classifier.in_channels:
             raise ValueError("accelerate.options.mode=x0 decodes the predicted x0 with the pipeline's VAE; this "
                              "pipeline has none and its samples do not fit the classifier")
         model = self.classifier[0] if self.mode == "clip" else self.classifier
-        model.to(next(unet.parameters()).device)
-        add_hook(unet, HOOK, self._call)
-        super().attach(unet)
-
-    def detach(self) -> None:
-        if getattr(self, "unet", None) is not None:
-            remove_hook(self.unet, HOOK)
-        super().detach()
+        model.to(next(denoiser.parameters()).device)
+        super().attach(denoiser, context)
 
     def gradient(self, x: torch.Tensor, t, labels: torch.Tensor | list[str], eps: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -185,28 +172,31 @@ class ClassifierGuidance(Accelerator):
         value = table[lo] * (1 - frac) + table[hi] * frac
         return value.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
 
-    def _cfg(self) -> bool:
-        """Whether this call's UNet batch holds CFG's two halves."""
-        if self.guidance_scale is None and self.pipe is not None and hasattr(self.pipe, "_guidance_scale"):
+    def _cfg(self, guidance_scale: float | None) -> bool:
+        """Whether this call's network batch holds CFG's two halves."""
+        if guidance_scale is None and self.pipe is not None and hasattr(self.pipe, "_guidance_scale"):
             try:  # a user's pipe(prompt, guidance_scale=...) call: the pipeline knows
                 return bool(self.pipe.do_classifier_free_guidance)
             except (AttributeError, TypeError):
                 pass
-        return (self.guidance_scale or 1.0) > 1.0
+        return (guidance_scale or 1.0) > 1.0
 
-    def _call(self, forward, *args, **kwargs):
+    def call(self, context, forward, *args, **kwargs):
         out = forward(*args, **kwargs)
-        if self.scale == 0 or (self.prompts if self.mode == "clip" else self.labels) is None:
+        labels = self.fixed_labels if self.fixed_labels is not None else context.labels
+        prompts = self.fixed_prompts if self.fixed_prompts is not None else context.prompts
+        if self.scale == 0 or (prompts if self.mode == "clip" else labels) is None:
             return out
         x = args[0] if args else kwargs["sample"]
         t = args[1] if len(args) > 1 else kwargs["timestep"]
-        halves = 2 if self._cfg() else 1
+        guidance_scale = context.guidance_scale
+        halves = 2 if self._cfg(guidance_scale) else 1
         if self.mode == "clip":  # every prompt steers (an empty one towards the empty caption)
-            labels = torch.arange(len(self.prompts), device=x.device)  # indices into the prompts
+            labels = torch.arange(len(prompts), device=x.device)  # indices into the prompts
         else:
-            labels = self.labels.to(x.device)
+            labels = labels.to(x.device)
         if len(x) % (halves * len(labels)):
-            raise ValueError(f"{len(labels)} labels for a UNet batch of {len(x)}")
+            raise ValueError(f"{len(labels)} labels for a network batch of {len(x)}")
         # diffusers repeats each prompt's images next to each other (num_images_per_prompt)
         labels = labels.repeat_interleave(len(x) // (halves * len(labels)))
         guided = labels >= 0
@@ -217,10 +207,10 @@ class ClassifierGuidance(Accelerator):
         x_one, eps_one = x[:n], eps[:n]  # under CFG both halves see the same x_t
         if halves == 2 and self.mode != "noisy":
             # x0 from the guided prediction the sampler will use: one term, added after CFG
-            w = float(self.guidance_scale if self.guidance_scale is not None else self.pipe._guidance_scale)
+            w = float(guidance_scale if guidance_scale is not None else self.pipe._guidance_scale)
             uncond, cond = (eps[:n], eps[n:]) if self.uncond_first else (eps[n:], eps[:n])
             eps_one = uncond + w * (cond - uncond)
-        targets = [self.prompts[i] for i in labels.tolist()] if self.mode == "clip" else labels.clamp_min(0)
+        targets = [prompts[i] for i in labels.tolist()] if self.mode == "clip" else labels.clamp_min(0)
         grad = self.gradient(x_one, t, targets, eps_one)
         shift = (1 - self._abar(t, x)).sqrt() * self.scale * grad * guided.view(-1, 1, 1, 1)
         shift = shift.repeat(halves, 1, 1, 1)  # the same term on both halves: CFG keeps it once

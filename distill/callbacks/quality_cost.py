@@ -32,11 +32,9 @@ class MethodSampler:
         from distill.accelerate import accelerated_unet
 
         batch = {"caption": list(captions), "label": labels}
-        if self.accelerator is not None:
-            self.accelerator.use_labels(labels)
-            self.accelerator.use_prompts(list(captions))
         pipe = self.method.pipeline(scheduler) if self.accelerator is not None else None  # its scheduler and VAE
-        with accelerated_unet(self.unet, self.accelerator, steps, scheduler, guidance_scale, pipe):
+        with accelerated_unet(self.unet, self.accelerator, steps, scheduler, guidance_scale, pipe, labels=labels,
+                              prompts=list(captions)):
             return self.method.generate(batch, generator, num_inference_steps=steps, guidance_scale=guidance_scale,
                                         scheduler=scheduler)
 

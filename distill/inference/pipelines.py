@@ -10,6 +10,8 @@ Importing this module registers the classes in the ``diffusers`` namespace, wher
 ``DistillTextToImagePipeline.from_pretrained(folder)`` needs no registration.
 """
 
+import functools
+
 import diffusers
 import torch
 from diffusers import (
@@ -118,9 +120,10 @@ class DistillClassPipeline(DiffusionPipeline):
     def __call__(self, class_labels_or_prompt=None, batch_size: int = 1, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, generator: torch.Generator | None = None,
                  output_type: str = "pil", return_dict: bool = True, height: int | None = None,
-                 width: int | None = None):
+                 width: int | None = None, callback_on_step_end=None):
         """Images of the given classes (drawn when none are given), in ``output_type`` "pil", "np" or "pt" ([0, 1]);
-        ``height`` / ``width`` (for callers that pass them) must be the native size: nothing is resized."""
+        ``height`` / ``width`` (for callers that pass them) must be the native size: nothing is resized.
+        ``callback_on_step_end(pipe, i, t, {"latents": x})``: diffusers' step callback."""
         c = self.unet.config
         size = c.sample_size * self.vae_scale_factor
         if (height or size) != size or (width or size) != size:
@@ -134,7 +137,7 @@ class DistillClassPipeline(DiffusionPipeline):
         with self.progress_bar(total=steps):  # opened once before the first step, as diffusers' pipelines do
             x0 = sample(self._denoise, self.scheduler, noise, {"class_labels": labels}, {"class_labels": null},
                         self.config.default_guidance_scale if guidance_scale is None else guidance_scale, steps,
-                        generator)
+                        generator, None if callback_on_step_end is None else functools.partial(callback_on_step_end, self))
         if self.vae is not None:
             x0 = self.vae.decode(x0 / self.vae.config.scaling_factor).sample
         images = self.image_processor.postprocess(x0, output_type=output_type)

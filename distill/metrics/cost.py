@@ -11,28 +11,34 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from distill.accelerate.context import context_of
 from distill.utils.flops import count_flops
 
 
 class NFECounter:
     """Counts forward calls of a network, and the examples passing through them, with a forward hook
-    (the network itself is not wrapped, so pipelines that inspect it keep working). A call whose output a
-    sampling accelerator predicted instead of computing (``distill.accelerate``) is not an evaluation."""
+    (the network itself is not wrapped, so pipelines that inspect it keep working). What ran on each call comes
+    from the network's sampling context (``distill.accelerate.context_of``): a call whose output a sampling
+    accelerator predicted without the network is not an evaluation (``predicted`` counts them); one that reused
+    cached features is (``cached`` counts those too; their saving shows in FLOPs and latency)."""
 
     def __init__(self, module: nn.Module):
-        self.calls = 0
-        self.examples = 0
+        self.calls = self.examples = self.cached = self.predicted = 0
         self._handle = module.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
-        if module.__dict__.get("_distill_predicted", False):
+        context = context_of(module)
+        ran = context.ran if context is not None else "full"
+        if ran == "predicted":
+            self.predicted += 1
             return
         sample = args[0] if args else kwargs["sample"]
         self.calls += 1
+        self.cached += ran == "cached"
         self.examples += sample.shape[0]
 
     def reset(self) -> None:
-        self.calls = self.examples = 0
+        self.calls = self.examples = self.cached = self.predicted = 0
 
     def remove(self) -> None:
         self._handle.remove()

@@ -55,14 +55,12 @@ class PipelineSampler:
         from distill.accelerate import accelerated
 
         self.pipe.scheduler = self.scheduler(scheduler)
-        if self.accelerator is not None:
-            self.accelerator.use_scheduler(scheduler, guidance_scale or 1.0)
-            self.accelerator.use_labels(labels)
-            self.accelerator.use_prompts(list(captions))
         prompts = [""] * len(captions) if self.null_prompts else list(captions)
-        with accelerated(self.pipe, self.accelerator):
+        with accelerated(self.pipe, self.accelerator, scheduler_name=scheduler, guidance_scale=guidance_scale or 1.0,
+                         labels=labels, prompts=list(captions)) as context:
+            step = {} if context is None else {"callback_on_step_end": context.step_end}
             out = self.pipe(prompts, num_inference_steps=steps, guidance_scale=guidance_scale or 1.0,
-                            height=self.size, width=self.size, generator=generator, output_type="pt").images
+                            height=self.size, width=self.size, generator=generator, output_type="pt", **step).images
         return out * 2.0 - 1.0
 
 

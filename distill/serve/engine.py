@@ -304,10 +304,11 @@ class Engine:
         self.threads: list[threading.Thread] = []
         self._step_limits: dict[tuple, str | None] = {}
         self._calls: dict[tuple, int] = {}  # (scheduler, steps) -> UNet calls of the trajectory
+        self.sampling = None  # the accelerator's sampling context (distill.accelerate), updated per call
         if accelerator is not None:
             from distill.accelerate import enable
 
-            enable(pipe, accelerator)
+            self.sampling = enable(pipe, accelerator)
         self._start()
 
     # ---------------------------------------------------------------- requests
@@ -722,12 +723,14 @@ class Engine:
         pipe.scheduler = self.scheduler_for(first.scheduler)
         embeds = torch.cat([job.embeds for job in jobs])
         negative = self.null_embeds.expand(len(embeds), -1, -1) if self.needs_cfg(first.guidance_scale) else None
-        if self.accelerator is not None:
-            self.accelerator.use_scheduler(first.scheduler or self.own_name or "own", first.guidance_scale)
-            self.accelerator.use_prompts([p for job in jobs for p in job.prompts])
-            self.accelerator.use_labels(None)
+        if self.sampling is not None:
+            self.sampling.update(scheduler_name=first.scheduler or self.own_name or "own",
+                                 guidance_scale=first.guidance_scale, prompts=[p for job in jobs for p in job.prompts],
+                                 labels=None)
 
         def progress(pipe, i, t, tensors):  # each step: the jobs' progress, and the stage's heartbeat
+            if self.sampling is not None:
+                self.sampling.step_end(pipe, i, t, tensors)
             for job in jobs:
                 job.calls, job.index = pipe.num_timesteps, i + 1
             self._working["denoise"] = time.monotonic()
