@@ -124,6 +124,33 @@ def test_a_call_that_stopped_early_does_not_leak_into_the_next(pipe):
     assert torch.equal(again, fresh)
 
 
+def test_the_in_house_sampler_calls_the_step_callback_too():
+    """``DistillClassPipeline`` (``distill.inference.sampling.sample``) takes diffusers' step callback: under CFG
+    (one batched call a step) 6 steps are 6 calls, and the toy reuses 3 of them."""
+    from diffusers import DDIMScheduler, UNet2DModel
+
+    from distill.inference.pipelines import DistillClassPipeline
+
+    torch.manual_seed(0)
+    unet = UNet2DModel(sample_size=8, in_channels=1, out_channels=1, block_out_channels=(8, 8), layers_per_block=1,
+                       down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+                       norm_num_groups=4, num_class_embeds=11).eval()
+    pipe = DistillClassPipeline(unet, DDIMScheduler())
+    pipe.set_progress_bar_config(disable=True)
+
+    def images(**kw):
+        return pipe([3, 7], num_inference_steps=6, guidance_scale=2.0, generator=torch.Generator().manual_seed(0),
+                    output_type="pt", **kw).images
+
+    plain = images()
+    with accelerated(pipe, ReuseOutput(interval=1)) as context:
+        same = images(callback_on_step_end=context.step_end)
+    assert torch.equal(same, plain) and (context.num_calls, context.call, context.step) == (6, 5, 6)
+    with accelerated(pipe, ReuseOutput(interval=2)), NFECounter(unet) as counter:
+        reused = images()
+    assert (counter.calls, counter.predicted) == (3, 3) and not torch.equal(reused, plain)
+
+
 def test_one_session_per_denoiser_and_callers_set_only_their_fields(pipe):
     with accelerated(pipe, ReuseOutput()) as context:
         with pytest.raises(RuntimeError, match="already samples with an accelerator"):
