@@ -16,7 +16,7 @@ length up front (``Session.begin``). Its length is counted in network calls, not
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -31,9 +31,10 @@ HOOK = "distill_sampling_session"
 class SamplingContext:
     """What one accelerated sampling call tells its accelerators.
 
-    The caller fills ``pipe`` (its ``scheduler`` and VAE), ``scheduler_name`` (the ``distill.inference`` name, what
-    a fitted forecaster looks coefficients up by), ``guidance_scale``, ``labels`` (each prompt's class, -1: none) and
-    ``prompts``; the session fills the rest as the trajectory runs."""
+    ``pipe`` is the sampled pipeline (its ``scheduler`` and VAE; None for a loop of one's own). The caller fills
+    ``scheduler_name`` (the ``distill.inference`` name, what a fitted forecaster looks coefficients up by),
+    ``guidance_scale``, ``labels`` (each prompt's class, -1: none) and ``prompts``; the session fills the rest as
+    the trajectory runs."""
 
     pipe: Any = None
     scheduler_name: str | None = None
@@ -46,12 +47,11 @@ class SamplingContext:
     call: int = -1  # index of the current network call in the trajectory, predicted ones included
     step: int = 0  # denoising steps done (from ``step_end``, the step callback; 0 where the loop gives none)
     ran: Ran = "full"  # what computed the current call's output: the whole network, part of it, or no network
-    scheduler_source: Any = field(default=None, repr=False)  # the scheduler of a loop without a pipeline
 
     @property
     def scheduler(self):
-        """The scheduler sampling now: the pipeline's, else the loop's own."""
-        return self.pipe.scheduler if self.pipe is not None else self.scheduler_source
+        """The scheduler sampling now: the pipeline's (None for a loop without one)."""
+        return self.pipe.scheduler if self.pipe is not None else None
 
     def update(self, **values) -> SamplingContext:
         """Set the caller's fields for the next calls (``scheduler_name``, ``guidance_scale``, ``labels``, ...)."""
@@ -67,7 +67,7 @@ class SamplingContext:
         return callback_kwargs
 
 
-CALLER_FIELDS = frozenset({"pipe", "scheduler_name", "guidance_scale", "labels", "prompts"})
+CALLER_FIELDS = frozenset({"scheduler_name", "guidance_scale", "labels", "prompts"})  # the pipe is the session's
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # denoiser -> its session's context
 
 
