@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from distill.models.teacher import load_teacher
+    from distill.families import load_teacher
 
     torch.manual_seed(0)
     for name, kind, value in specs:

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from distill.assets import asset_path
+from distill.families import load_teacher
 from distill.models.students import copy_student
-from distill.models.teacher import load_teacher
 
 MIB = 2**20
 

@@ -131,7 +131,7 @@ def plain_loop(batch_size: int, steps: int, seed: int = 0) -> list[float]:
 
     from distill.assets import asset_path
     from distill.data import DigitsDataModule
-    from distill.models.teacher import load_teacher
+    from distill.families import load_teacher
 
     torch.manual_seed(seed)
     teacher = load_teacher(str(asset_path("teacher")))

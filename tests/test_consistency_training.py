@@ -105,9 +105,9 @@ def tiny_sd(tmp_path_factory):
 
 
 def _method(tiny_sd, variant, prediction_type="epsilon"):
+    from distill.families import load_teacher
     from distill.methods.consistency_training import ConsistencyTraining
     from distill.models.students import copy_student, fresh_student
-    from distill.models.teacher import load_teacher
 
     teacher = load_teacher(str(tiny_sd))
     teacher.scheduler.register_to_config(prediction_type=prediction_type)
@@ -158,7 +158,7 @@ def test_ect_consistency_function_converts_each_prediction_type_to_x0(tiny_sd, p
             return type("Out", (), {"sample": out})()
 
     x = x0 + sigma.float().view(-1, 1, 1, 1) * eps
-    f = method._consistency_fn(Oracle(), x, sigma, None)
+    f = method._consistency_fn(Oracle(), x, sigma, {})
     tau = vp_timestep(sigma, method.schedule.ve_sigmas)
     from distill.diffusion.consistency import boundary_scalings
 

@@ -13,6 +13,7 @@ import torch
 from diffusers import DDPMScheduler, DiffusionPipeline, StableDiffusionPipeline
 
 from distill.diffusion.consistency import ddim_timesteps
+from distill.families import load_teacher
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.methods.diffusion import DiffusionTraining
 from distill.methods.progressive import ProgressiveDistillation
@@ -20,7 +21,6 @@ from distill.metrics.cost import NFECounter
 from distill.models.conditioning import ClassConditioner, TextConditioner
 from distill.models.moe import timestep_moe_student, token_moe_student
 from distill.models.students import copy_student, lora_student
-from distill.models.teacher import load_teacher
 from distill.models.unet import build_class_unet, build_text_unet
 from tests.sd_tiny import write_tiny_sd
 

@@ -10,9 +10,9 @@ from diffusers import UNet2DConditionModel
 
 from distill.assets import asset_path
 from distill.diffusion import add_noise, alpha_sigma
-from distill.methods.feature_distillation import FeatureDistillation, feature_blocks
+from distill.families import load_teacher
+from distill.methods.feature_distillation import FeatureDistillation
 from distill.models.students import copy_student
-from distill.models.teacher import load_teacher
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_terms_equal_a_direct_computation(teacher):
     # the narrow student's down_blocks.1/2 and up blocks 0/1 are 32 wide against the teacher's 64 (BK-SDM matches
     # the down and up stages, not the mid block)
     assert sorted(method.regressors) == ["down_blocks_1", "down_blocks_2", "up_blocks_0", "up_blocks_1"]
-    assert list(feature_blocks(method.student)) == ["down_blocks.0", "down_blocks.1", "down_blocks.2", "up_blocks.0",
+    assert list(method.family.feature_blocks(method.student)) == ["down_blocks.0", "down_blocks.1", "down_blocks.2", "up_blocks.0",
                                                     "up_blocks.1", "up_blocks.2"]
     batch = _batch()
     terms = method.loss_terms(batch, torch.Generator().manual_seed(7))
@@ -70,7 +70,7 @@ def test_terms_equal_a_direct_computation(teacher):
         return hook
 
     hooks = [b.register_forward_hook(keep(w, n))
-             for w, net in (("t", method.teacher_unet), ("s", method.student)) for n, b in feature_blocks(net).items()]
+             for w, net in (("t", method.teacher_unet), ("s", method.student)) for n, b in method.family.feature_blocks(net).items()]
     with torch.no_grad():
         out_t = method.teacher_unet(x_t, t, encoder_hidden_states=cond).sample
         out_s = method.student(x_t, t, encoder_hidden_states=cond).sample
@@ -79,7 +79,7 @@ def test_terms_equal_a_direct_computation(teacher):
     assert terms["task"].item() == pytest.approx(F.mse_loss(out_s, eps).item(), rel=1e-5)
     assert terms["output"].item() == pytest.approx(F.mse_loss(out_s, out_t).item(), rel=1e-5)
     feature = 0.0
-    for name in feature_blocks(method.teacher_unet):
+    for name in method.family.feature_blocks(method.teacher_unet):
         f_s = feats[("s", name)]
         key = name.replace(".", "_")
         if key in method.regressors:
@@ -167,7 +167,7 @@ def test_bad_compression_settings_exit_2_naming_the_key(tmp_path, student, overr
 
 def test_the_mid_block_is_matched_on_request(teacher):
     method = _method(teacher, _narrow, cond_dropout=0.0, match_mid_block=True)
-    assert list(feature_blocks(method.student, mid_block=True))[3] == "mid_block"
+    assert list(method.family.feature_blocks(method.student, mid_block=True))[3] == "mid_block"
     narrower = method.student.mid_block.resnets[-1].conv2.out_channels < method.teacher_unet.mid_block.resnets[-1].conv2.out_channels
     assert ("mid_block" in method.regressors) == narrower
     terms = method.loss_terms(_batch(), torch.Generator().manual_seed(7))

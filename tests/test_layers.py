@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distill.methods",),
     # evaluation: the quality-cost sweep, its cost meter and its report
     ("distill.metrics.quality_cost", "distill.metrics.cost", "distill.metrics.report", "distill.metrics.sanity"),
-    ("distill.compress", "distill.accelerate", "distill.inference"),
+    ("distill.families", "distill.compress", "distill.accelerate", "distill.inference"),
     ("distill.models", "distill.diffusion", "distill.metrics"),
     ("distill.data", "distill.utils"),
 )

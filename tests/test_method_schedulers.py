@@ -4,12 +4,12 @@ teacher's rows of the same sweep do (so same-named rows visit the same timesteps
 import torch
 from diffusers import DDPMScheduler
 
+from distill.families import load_teacher
 from distill.inference.schedulers import scheduler_options
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.methods.diffusion import DiffusionTraining
 from distill.models.conditioning import ClassConditioner
 from distill.models.students import copy_student
-from distill.models.teacher import load_teacher
 from distill.models.unet import build_class_unet
 from tests.sd_tiny import write_tiny_sd
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from distill.diffusion import cfg, guidance_condition, guidance_scale_embedding
+from distill.families import load_teacher
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.methods.progressive import ProgressiveDistillation
 from distill.models.students import copy_student, lora_student
-from distill.models.teacher import load_teacher
 from tests.sd_tiny import write_tiny_sd
 
 CAPTIONS = ["a handwritten digit three", "a handwritten digit seven", "a handwritten digit one"]
@@ -151,7 +151,7 @@ def test_lora_teacher_is_the_base_unet_without_adapters(tiny_sd):
     with torch.no_grad():
         expected = plain(x, t, encoder_hidden_states=cond).sample
         student = method.student(x, t, encoder_hidden_states=cond).sample
-    torch.testing.assert_close(method.teacher_forward(x, t, cond), expected)
+    torch.testing.assert_close(method.teacher_forward(x, t, {"encoder_hidden_states": cond}), expected)
     assert not torch.allclose(student, expected)  # the adapters matter, and are back on afterwards
     with torch.no_grad():
         torch.testing.assert_close(method.student(x, t, encoder_hidden_states=cond).sample, student)

@@ -7,6 +7,7 @@ import torch
 from diffusers import DDPMScheduler
 from torch.utils.checkpoint import checkpoint
 
+from distill.families import load_teacher
 from distill.models.moe import (
     MoEFeedForward,
     TimestepMoEUNet,
@@ -17,7 +18,6 @@ from distill.models.moe import (
     token_moe_student,
 )
 from distill.models.students import copy_student
-from distill.models.teacher import load_teacher
 from tests.sd_tiny import write_tiny_sd
 
 

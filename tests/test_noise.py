@@ -238,9 +238,9 @@ def test_edm_diffusion_training_is_a_unit_weight_mse_on_the_network_target(tiny_
     at every sigma: Karras et al. 2022, eq. 8 with table 1's lambda), and its timesteps come from EDM's lognormal."""
     from diffusers import DDPMScheduler, UNet2DConditionModel
 
+    from distill.families import load_teacher
     from distill.methods.diffusion import DiffusionTraining
     from distill.models.conditioning import TextConditioner
-    from distill.models.teacher import load_teacher
     from distill.models.unet import build_text_unet
 
     teacher = load_teacher(str(tiny_sd))
@@ -305,9 +305,9 @@ def test_methods_draw_with_the_options_and_feed_the_adaptive_history(tiny_sd):
     """LCM with antithetic noise, stratified adaptive times: the noise comes in exact pairs, the pairs' distinct
     rows cover the grid's strata and their partners repeat the bins, each training loss records its examples, and a
     validation loss draws plainly (no weights, no pairs)."""
+    from distill.families import load_teacher
     from distill.methods.consistency import LatentConsistencyDistillation
     from distill.models.students import copy_student
-    from distill.models.teacher import load_teacher
 
     method = LatentConsistencyDistillation(
         load_teacher(str(tiny_sd)), copy_student, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_ddim_timesteps=10,
@@ -372,7 +372,7 @@ def test_antithetic_pairs_differ_only_in_the_sign_of_the_noise(tiny_sd, monkeypa
     scale and one dropout decision with noise eps and -eps: the student's input with the noise zeroed is the same for
     both rows, and its noise part is odd. Issue 30 item 4: the pairs had different x0, t and w (pair correlation of
     the ECT loss -0.006), so nothing cancelled."""
-    from distill.models.teacher import load_teacher
+    from distill.families import load_teacher
 
     torch.manual_seed(0)
     method = _antithetic_methods()[name](load_teacher(str(tiny_sd)), {"antithetic": True, "stratified": True})

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from distill.diffusion import guidance_condition
+from distill.families import load_teacher
 from distill.methods.progressive import ProgressiveDistillation
 from distill.models.students import copy_student
-from distill.models.teacher import load_teacher
 from tests.conftest import run_train
 from tests.sd_tiny import write_tiny_sd
 
@@ -99,7 +99,7 @@ def test_guided_stage_target_is_the_per_sample_cfg_of_the_teacher(tiny_sd):
     t = torch.tensor([999, 499, 124])
     cond, uncond = torch.randn(3, 7, 32, generator=g), torch.randn(3, 7, 32, generator=g)
     scale = torch.tensor([2.0, 3.0, 4.0])
-    x0, eps = method._teacher_x0_eps(x, t, cond, uncond, scale, {})
+    x0, eps = method._teacher_x0_eps(x, t, {"encoder_hidden_states": cond}, {"encoder_hidden_states": uncond}, scale, {})
     a, s = method.schedule.alpha_sigma(t, 4)
     for k in range(3):  # CFG computed directly, one sample at a time, in the teacher's eps space
         with torch.no_grad():

@@ -10,12 +10,12 @@ the export's own grid, not with diffusers' ``DDIMScheduler``.
 import pytest
 import torch
 
+from distill.families import load_teacher
 from distill.inference.loading import load_pipeline, pipeline_defaults
 from distill.inference.schedulers import grid_timesteps, scheduler_options
 from distill.methods.progressive import ProgressiveDistillation
 from distill.metrics.quality_cost import PipelineSampler
 from distill.models.students import copy_student
-from distill.models.teacher import load_teacher
 from tests.sd_tiny import write_tiny_sd
 
 

@@ -143,7 +143,7 @@ def test_each_method_noises_and_converts_with_its_one_schedule(tiny_sd, name):
     (nor of its noise levels); the loss reads the schedule only through ``method.schedule``: a schedule rebuilt from
     the same scheduler gives the same loss bit for bit, one from another table changes it."""
     from distill.diffusion.schedules import vp_sigmas
-    from distill.models.teacher import load_teacher
+    from distill.families import load_teacher
 
     teacher = load_teacher(str(tiny_sd))
     torch.manual_seed(0)

@@ -93,7 +93,7 @@ def test_a_hub_teacher_is_checked_from_its_configs_before_its_weights(tmp_path, 
     import diffusers
     import huggingface_hub
 
-    from distill.models.teacher import load_teacher
+    from distill.families import load_teacher
 
     local = configs_only(tmp_path / "hub", pipeline=SDXL_INDEX, unet=SDXL_UNET)
     fetched = []

@@ -14,10 +14,10 @@ from distill.assets import asset_path
 from distill.data import DigitsDataModule
 from distill.data.imagefolder import ImageFolderDataModule
 from distill.data.latents import CachedLatentDataset, cache_folder, cached_latents
+from distill.families import load_teacher
 from distill.methods import base as method_base
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.models.students import copy_student
-from distill.models.teacher import load_teacher
 from distill.utils.checkpoint import safe_load
 from tests.conftest import run_train
 from tests.test_resilience import LCM, _assert_same_state
@@ -306,12 +306,12 @@ def test_progressive_runs_only_the_original_teacher_in_the_frozen_dtype(teacher)
     with torch.no_grad():
         fp32 = teacher.unet(x, t, encoder_hidden_states=cond).sample
     if method_base.cpu_has_bf16():
-        assert not torch.equal(method.teacher_forward(x, t, cond), fp32)  # the original teacher: bf16
+        assert not torch.equal(method.teacher_forward(x, t, {"encoder_hidden_states": cond}), fp32)  # the original teacher: bf16
     method.finish_round()
     assert not method.teacher_is_original
     with torch.no_grad():
         student = method.student(x, t, encoder_hidden_states=cond).sample
-    torch.testing.assert_close(method.teacher_forward(x, t, cond), student, rtol=0, atol=0)
+    torch.testing.assert_close(method.teacher_forward(x, t, {"encoder_hidden_states": cond}), student, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------- bench/train_speed.py's

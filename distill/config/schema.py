@@ -73,7 +73,7 @@ FeatureDistillationMethodConfig = builds(
 
 # ---------------------------------------------------------------- teacher
 
-TeacherConfig = builds("TeacherConfig", "distill.models.teacher.load_teacher")
+TeacherConfig = builds("TeacherConfig", "distill.families.load_teacher")
 
 # ---------------------------------------------------------------- student
 # Students made from the teacher are partials: the method calls them on the teacher's UNet (and noise schedule).

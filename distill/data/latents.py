@@ -37,13 +37,20 @@ def batch_size_of(batch: dict) -> int:
 
 
 @torch.no_grad()
-def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Images (N, C, H, W) -> a sample of the VAE posterior times ``scaling_factor`` (Rombach et al. 2022), in
-    float32 even inside a mixed-precision step: the latents are the data (as the latent cache holds them)."""
+def posterior_sample(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Images (N, C, H, W) -> a sample of the VAE posterior, unscaled, in float32 even inside a mixed-precision
+    step: the latents are the data (as the latent cache holds them)."""
     with torch.autocast(pixels.device.type, enabled=False):
         dist = vae.encode(pixels.float()).latent_dist
     noise = torch.randn(dist.mean.shape, generator=generator).to(dist.mean)
-    return (dist.mean + dist.std * noise) * vae.config.scaling_factor
+    return dist.mean + dist.std * noise
+
+
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``posterior_sample`` times the VAE's ``scaling_factor`` (Rombach et al. 2022); a model family's
+    ``encode`` also applies a ``shift_factor``."""
+    return posterior_sample(vae, pixels, generator) * vae.config.scaling_factor
 
 
 def module_fingerprint(module: nn.Module) -> str:

@@ -59,7 +59,7 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         self.loss_type, self.huber_c = loss_type, huber_c
         self.timestep_scaling, self.sigma_data = timestep_scaling, sigma_data
         self.sampling = dict(sampling or {"name": "lcm", "num_inference_steps": 4, "guidance_scale": 3.0})
-        T = teacher.scheduler.config.num_train_timesteps
+        T = self.schedule.num_train_timesteps
         self.skip = T // num_ddim_timesteps
         self.register_buffer("solver_timesteps", ddim_timesteps(T, num_ddim_timesteps), persistent=False)
 
@@ -84,7 +84,7 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         return cfg(x0_c, x0_u, w=w), cfg(eps_c, eps_u, w=w)
 
     def _consistency_fn(self, net, x_t, t, cond, w_kwargs):
-        out = net(x_t, t, encoder_hidden_states=cond, **w_kwargs).sample
+        out = self.family.denoise(net, x_t, t, cond, **w_kwargs)
         x0, _ = self.schedule.to_x0_eps(out, x_t, t)
         c_skip, c_out = boundary_scalings(t, self.sigma_data, self.timestep_scaling)
         return consistency_output(x_t, x0, c_skip, c_out)

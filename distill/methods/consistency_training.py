@@ -28,6 +28,7 @@ from distill.diffusion.consistency import boundary_scalings, consistency_output,
 from distill.diffusion.noise import stratified_unit
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
+from distill.models.conditioning import take_conditions
 from distill.models.teacher import Teacher
 
 VARIANTS = ("ict", "ect")
@@ -109,18 +110,18 @@ class ConsistencyTraining(TeacherStudentDistillation):
     def frozen_networks(self) -> list[nn.Module]:
         return []  # the teacher's UNet never runs: nothing to compile or keep channels-last
 
-    def _consistency_fn(self, net: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    def _consistency_fn(self, net: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict) -> torch.Tensor:
         """f(x0 + sigma eps, sigma) in x0 space, from the VE-view sample ``x`` = x0 + sigma eps."""
         shape = (-1,) + (1,) * (x.ndim - 1)
         if self.variant == "ict":
             c_skip, c_out = ct.edm_boundary_scalings(sigma.double(), self.sigma_data, self.sigma_min)
             c_in, c_noise = ct.edm_input_scalings(sigma.double(), self.sigma_data)
-            out = net((x * c_in.to(x).view(shape)), c_noise.float(), encoder_hidden_states=cond).sample
+            out = self.family.denoise(net, x * c_in.to(x).view(shape), c_noise.float(), cond)
             return c_skip.to(x).view(shape) * x + c_out.to(x).view(shape) * out.float()
         tau = self.schedule.timestep_at(sigma)
         alpha, sigma_vp = self.schedule.alpha_sigma_at(sigma, x)
         x_vp = x * alpha
-        out = net(x_vp, tau.float(), encoder_hidden_states=cond).sample.float()
+        out = self.family.denoise(net, x_vp, tau.float(), cond).float()
         x0, _ = to_x0_eps(self.schedule.prediction_type, out, x_vp, alpha, sigma_vp)
         c_skip, c_out = boundary_scalings(tau.to(x), 0.5, self.timestep_scaling)
         return consistency_output(x_vp, x0, c_skip, c_out)
@@ -179,7 +180,7 @@ class ConsistencyTraining(TeacherStudentDistillation):
                 if live.any():
                     idx = live.nonzero(as_tuple=True)[0]
                     f_r[idx] = self._consistency_fn(self.student, x0[idx] + r[idx].to(x0).view(shape) * eps[idx],
-                                                    r[idx], cond[idx])
+                                                    r[idx], take_conditions(cond, idx))
         # both: lambda(t, r) d(f_t, f_r) with lambda = 1 / (t - r) (iCT: 1 / (sigma_{i+1} - sigma_i)) and the
         # per-example pseudo-Huber distance sqrt(||.||^2 + c^2) - c (iCT: c = 0.00054 sqrt(d); ECT: c = 0, the norm)
         c = (self.huber_c if self.huber_c is not None else ict_huber_c(x0[0].numel())) if self.variant == "ict" \

@@ -9,23 +9,20 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
-from distill.diffusion import DiscreteVPSchedule, diffusion_loss, snr_weight
+from distill.diffusion import diffusion_loss, snr_weight
 from distill.diffusion.noise import edm_timestep_probabilities
+from distill.families import family_for
+from distill.families.sd import StableDiffusionFamily
 from distill.inference.schedulers import make_scheduler, scheduler_options
-from distill.methods.base import (
-    DistillMethod,
-    encode_latents,
-    pipeline_images,
-    text_to_image_pipeline,
-)
-from distill.models.conditioning import TextConditioner
+from distill.methods.base import DistillMethod, pipeline_images
 
 
 class DiffusionTraining(DistillMethod):
     """Trains ``student`` (a diffusers UNet) to denoise x_t = alpha_t x0 + sigma_t eps.
 
     With a ``vae`` this is latent diffusion (Rombach et al. 2022): x0 = vae.encode(image) * scaling_factor,
-    and the frozen VAE decodes samples; with a text conditioner the export is a StableDiffusionPipeline.
+    and the frozen VAE decodes samples. The ``conditioner`` picks the model family (``family_for``): a text
+    conditioner the ``sd`` family, exported as a StableDiffusionPipeline; class labels the ``class_unet`` one.
 
     ``loss_weighting``: ``min_snr``, ``truncated_snr``, ``none`` (t uniform over the timesteps), or ``edm``, EDM's
     training objective (Karras et al. 2022, table 1): lambda(sigma) on ||D - x0||^2 with t drawn from ln sigma ~
@@ -64,14 +61,18 @@ class DiffusionTraining(DistillMethod):
             student = EDMPreconditionedUNet2DConditionModel.wrap(student, noise_scheduler.config, prediction_type,
                                                                  self.noise.sigma_data)
         self.student = student
-        self.vae = vae.requires_grad_(False).eval() if vae is not None else None
+        if isinstance(conditioner, StableDiffusionFamily.conditioner_type) and vae is None:
+            raise ValueError("a text-conditioned model exports as a StableDiffusionPipeline, which needs a VAE; "
+                             "set method.vae (latent diffusion) or use a class conditioner")
+        self.family = family_for(noise_scheduler, vae, conditioner)
+        self.vae = self.family.vae  # the family's frozen parts under their old names (checkpoint keys)
         self.noise_scheduler = noise_scheduler
         self.conditioner = conditioner
         self.prediction_type = prediction_type
         self.cond_dropout = cond_dropout
         self.loss_weighting, self.snr_gamma = loss_weighting, snr_gamma
         self.sampling = dict(sampling or {"name": "ddim", "num_inference_steps": 50, "guidance_scale": 1.0})
-        self.schedule = DiscreteVPSchedule.from_scheduler(noise_scheduler)  # what the loss noises with
+        self.schedule = self.family.schedule  # what the loss noises with
         self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
         self.time_target = None  # the timesteps' distribution: uniform, or EDM's lognormal in sigma
         if loss_weighting == "edm":
@@ -88,21 +89,12 @@ class DiffusionTraining(DistillMethod):
             self.vae.eval()  # frozen
         return self
 
-    def denoise(self, x_t: torch.Tensor, t: torch.Tensor, **cond) -> torch.Tensor:
-        return self.student(x_t, t, **cond).sample
-
-    @torch.no_grad()
     def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Images (N, C, H, W) -> diffusion space: identity, or scaled VAE latents (N, 4, H/f, W/f)."""
-        if self.vae is None:
-            return pixels
-        return encode_latents(self.vae, pixels, generator)
+        return self.family.encode(pixels, generator)
 
-    @torch.no_grad()
     def decode(self, x0: torch.Tensor) -> torch.Tensor:
-        if self.vae is None:
-            return x0
-        return self.vae.decode(x0 / self.vae.config.scaling_factor).sample
+        return self.family.decode(x0)
 
     def loss(self, batch: dict, generator: torch.Generator | None = None, drop_conditions: bool = True) -> torch.Tensor:
         batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
@@ -112,10 +104,10 @@ class DiffusionTraining(DistillMethod):
         t = bins.to(x0.device)
         eps = self.draw_noise(x0, generator)
         drop = self.paired(torch.rand(n, generator=generator) < self.cond_dropout) if drop_conditions else None
-        cond = self.conditioner(batch, drop)
+        cond = self.family.condition(batch, drop)
         cond = {k: v.to(x0.device) for k, v in cond.items()}
         x_t = self.schedule.add_noise(x0, eps, t)
-        pred = self.denoise(x_t, t, **cond)
+        pred = self.family.denoise(self.student, x_t, t, cond)
         target = self.schedule.prediction_target(x0, eps, t)
         weight = snr_weight(self.schedule.snr(t, x0.ndim), self.prediction_type, self.loss_weighting, self.snr_gamma,
                             sigma_data=self.noise.sigma_data)
@@ -148,26 +140,16 @@ class DiffusionTraining(DistillMethod):
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
         """Images from the pipeline the export holds (``pipeline``): captions, or the batch's class labels."""
-        text = isinstance(self.conditioner, TextConditioner)
-        prompts = batch["caption"] if text else self.conditioner(batch)["class_labels"].tolist()
+        text = isinstance(self.family, StableDiffusionFamily)
+        prompts = batch["caption"] if text else self.family.condition(batch)["class_labels"].tolist()
         return pipeline_images(self.pipeline(scheduler), prompts, generator, num_inference_steps, guidance_scale)
 
     def pipeline(self, scheduler: str | None = None):
         """The model as an in-memory distill pipeline whose call defaults are the configured sampling: text-to-image
         for a text-conditioned latent model, else class-conditional (labels drawn when none are given)."""
-        from distill.inference.pipelines import DistillClassPipeline
-
         defaults = {"default_num_inference_steps": self.sampling["num_inference_steps"],
                     "default_guidance_scale": self.sampling["guidance_scale"]}
-        if isinstance(self.conditioner, TextConditioner):
-            if self.vae is None:
-                raise ValueError("a text-conditioned model exports as a StableDiffusionPipeline, which needs a VAE; "
-                                 "set method.vae (latent diffusion) or use a class conditioner")
-            return text_to_image_pipeline(self.vae, self.conditioner, self.student, self.sampling_scheduler(scheduler),
-                                          **defaults)
-        pipe = DistillClassPipeline(self.student, self.sampling_scheduler(scheduler), self.vae, **defaults)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return self.family.pipeline(self.student, self.sampling_scheduler(scheduler), **defaults)
 
     def export(self, out_dir: str | Path) -> Path:
         """A diffusers folder (``pipeline``) plus distill.json and a model card with the intended call."""
@@ -176,7 +158,7 @@ class DiffusionTraining(DistillMethod):
         out_dir = Path(out_dir)
         pipe = self.pipeline()
         pipe.save_pretrained(out_dir)
-        text = isinstance(self.conditioner, TextConditioner)
+        text = isinstance(self.family, StableDiffusionFamily)
         guidance_scale = self.sampling["guidance_scale"]
         info = {"method": "diffusion", "teacher": None, "student": type(self.student).__name__,
                 "pipeline": type(pipe).__name__, "conditioning": "text" if text else "class",

@@ -10,23 +10,17 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
-from distill.diffusion import DiscreteVPSchedule
-from distill.methods.base import (
-    DistillMethod,
-    encode_latents,
-    pipeline_images,
-    text_to_image_pipeline,
-)
-from distill.models.conditioning import TextConditioner
+from distill.methods.base import DistillMethod, pipeline_images
+from distill.models.conditioning import concat_conditions
 from distill.models.students import make_student
 from distill.models.teacher import Teacher
 
 
 class TeacherStudentDistillation(DistillMethod):
-    """A frozen Stable-Diffusion-format teacher (UNet, VAE, text encoder, noise schedule) and a student built from
-    it (``make_student``). The base loads and freezes the teacher, conditions on text, keeps the frozen weights
-    out of checkpoints, validates, builds the in-memory pipeline, generates and exports (pipeline folder,
-    distill.json, model card).
+    """A frozen teacher (its network and its ``family``: VAE, conditioning, noise schedule) and a student built
+    from it (``make_student``). The base freezes the teacher, conditions through the family, keeps the frozen
+    weights out of checkpoints, validates, builds the in-memory pipeline, generates and exports (pipeline folder,
+    distill.json, model card). Every network call is ``family.denoise``.
 
     A method writes its ``loss``, its ``sampling_scheduler``, its intended ``num_inference_steps`` and what its
     export says about the guidance (``guidance_source``, ``export_info``); ``method_name`` names it in exports.
@@ -50,21 +44,23 @@ class TeacherStudentDistillation(DistillMethod):
             raise ValueError(f"method.guidance_scale_min={guidance_scale_min} > method.guidance_scale_max={guidance_scale_max}")
         super().__init__(optimizer, lr_scheduler, **speed)
         self.teacher_source, self.teacher_load_options = teacher.source, teacher.load_options
-        self.teacher_unet = teacher.unet.requires_grad_(False).eval()
-        self.vae = teacher.vae.requires_grad_(False).eval()
-        self.conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer, cache=cache_prompts)
-        self.noise_scheduler_config = dict(teacher.scheduler.config)
-        self.schedule = DiscreteVPSchedule.from_scheduler(teacher.scheduler)  # what every loss noises and converts with
+        self.teacher_unet = teacher.denoiser.requires_grad_(False).eval()
+        self.family = teacher.family.copy(cache_prompts=cache_prompts)  # this method's own prompt cache
+        # the family's frozen parts, registered here under their old names: they move with the method, and the
+        # checkpoint keys stay those of every earlier run
+        self.vae, self.conditioner = self.family.vae, self.family.conditioner
+        self.noise_scheduler_config = self.family.scheduler_config
+        self.schedule = self.family.schedule  # what every loss noises and converts with
         self.student = make_student(student, teacher)
         if self.noise.preconditioning == "edm":
-            self.student = self._edm_student(student, teacher)
+            self.student = self._edm_student(student)
         # LoRA adapters on the teacher's own UNet: with the adapters disabled the student is the teacher
         self.is_lora = self.student is self.teacher_unet
         self.w_dim = self.student.config.get("time_cond_proj_dim")  # None: no guidance-scale input
         self.guidance_scale_min, self.guidance_scale_max = guidance_scale_min, guidance_scale_max
         self.strict_loading = False  # frozen teacher parts are not stored in checkpoints
 
-    def _edm_student(self, student, teacher: Teacher) -> nn.Module:
+    def _edm_student(self, student) -> nn.Module:
         """The freshly initialised student as EDM's F (``method.noise.preconditioning=edm``), predicting what the
         teacher predicts; a student that starts from trained weights would start as another function."""
         from distill.models.precondition import EDMPreconditionedUNet2DConditionModel
@@ -74,8 +70,8 @@ class TeacherStudentDistillation(DistillMethod):
             raise ValueError("method.noise.preconditioning=edm re-parametrises the network, so it applies to a freshly "
                              "initialised student (student=fresh); this one starts from trained weights, whose "
                              "function the preconditioning would change: set method.noise.preconditioning=none")
-        return EDMPreconditionedUNet2DConditionModel.wrap(self.student, teacher.scheduler.config,
-                                                          teacher.prediction_type, self.noise.sigma_data)
+        return EDMPreconditionedUNet2DConditionModel.wrap(self.student, self.family.scheduler.config,
+                                                          self.family.prediction_type, self.noise.sigma_data)
 
     # ------------------------------------------------------------------ frozen teacher and checkpoints
 
@@ -116,30 +112,29 @@ class TeacherStudentDistillation(DistillMethod):
         return [] if self.is_lora else [self.teacher_unet]
 
     def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return encode_latents(self.vae, pixels, generator)
+        return self.family.encode(pixels, generator)
 
-    def text_conditions(self, batch: dict, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``encoder_hidden_states`` of the batch's captions and of the empty prompt (the null condition of CFG)."""
-        cond = self.conditioner(batch)["encoder_hidden_states"]
-        return cond, self.conditioner.null(n, device)["encoder_hidden_states"]
+    def text_conditions(self, batch: dict, n: int, device: torch.device) -> tuple[dict, dict]:
+        """The family's conditioning of the batch's captions and its null condition (that of CFG)."""
+        return self.family.condition(batch), self.family.null_condition(n, device)
 
     @torch.no_grad()
-    def teacher_forward(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, **unet_kwargs) -> torch.Tensor:
-        """The teacher's output at (x, t); a LoRA student's adapters are off meanwhile."""
+    def teacher_forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
+        """The teacher's output at (x, t) under ``cond``, in float32; a LoRA student's adapters are off meanwhile."""
         lora = self.teacher_unet is self.student
         if lora:
             self.student.disable_adapters()
         try:
             with self.frozen_autocast(self.teacher_is_original):
-                return self.teacher_unet(x, t, encoder_hidden_states=cond, **unet_kwargs).sample.float()
+                return self.family.denoise(self.teacher_unet, x, t, cond, **extra).float()
         finally:
             if lora:
                 self.student.enable_adapters()
 
-    def teacher_cond_uncond(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
-                            uncond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def teacher_cond_uncond(self, x: torch.Tensor, t: torch.Tensor, cond: dict,
+                            uncond: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's conditional and unconditional outputs at (x, t), from one batched pass (what ``cfg`` mixes)."""
-        return self.teacher_forward(torch.cat([x, x]), torch.cat([t, t]), torch.cat([cond, uncond])).chunk(2)
+        return self.teacher_forward(torch.cat([x, x]), torch.cat([t, t]), concat_conditions(cond, uncond)).chunk(2)
 
     # ------------------------------------------------------------------ objective
 
@@ -172,10 +167,9 @@ class TeacherStudentDistillation(DistillMethod):
                 "guidance_distilled": self.w_dim is None}
 
     def pipeline(self, scheduler: str | None = None):
-        """The student as an in-memory distill text-to-image pipeline with the export's call defaults
-        (``call_defaults``), sampling with ``sampling_scheduler(scheduler)``."""
-        sched = self.sampling_scheduler(scheduler)
-        return text_to_image_pipeline(self.vae, self.conditioner, self.student, sched, **self.call_defaults())
+        """The student as an in-memory pipeline of the family with the export's call defaults (``call_defaults``),
+        sampling with ``sampling_scheduler(scheduler)``."""
+        return self.family.pipeline(self.student, self.sampling_scheduler(scheduler), **self.call_defaults())
 
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:

@@ -28,21 +28,6 @@ from distill.data.latents import batch_size_of
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
-BLOCK_GROUPS = ("down_blocks", "up_blocks")
-
-
-def feature_blocks(unet: nn.Module, mid_block: bool = False) -> dict[str, nn.Module]:
-    """The modules whose outputs feature distillation matches: every down block and every up block (BK-SDM),
-    and with ``mid_block`` the mid block too (where the student keeps one)."""
-    if not all(hasattr(unet, g) for g in BLOCK_GROUPS):
-        raise ValueError(f"{type(unet).__name__} has no down_blocks/up_blocks to match features at; "
-                         "set method.feature_weight=0 (output distillation only)")
-    blocks = {f"down_blocks.{i}": b for i, b in enumerate(unet.down_blocks)}
-    if mid_block and getattr(unet, "mid_block", None) is not None:
-        blocks["mid_block"] = unet.mid_block
-    blocks.update({f"up_blocks.{i}": b for i, b in enumerate(unet.up_blocks)})
-    return blocks
-
 
 class _Recorder:
     """Forward hooks keeping each block's output (a down block's hidden states, not its skip tensors)."""
@@ -105,23 +90,20 @@ class FeatureDistillation(TeacherStudentDistillation):
         self.task_weight, self.output_weight, self.feature_weight = task_weight, output_weight, feature_weight
         self.cond_dropout = cond_dropout
         self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": 3.0, "num_inference_steps": 25})
-        self.num_train_timesteps = int(teacher.scheduler.config.num_train_timesteps)
+        self.num_train_timesteps = self.schedule.num_train_timesteps
         self.regressors = nn.ModuleDict()
         if feature_weight > 0:
-            self._teacher_rec = _Recorder(feature_blocks(self.teacher_unet, match_mid_block))
-            self._student_rec = _Recorder(feature_blocks(self.student, match_mid_block))
+            # the blocks the family names (a UNet's down and up blocks, BK-SDM's stages)
+            self._teacher_rec = _Recorder(self.family.feature_blocks(self.teacher_unet, match_mid_block))
+            self._student_rec = _Recorder(self.family.feature_blocks(self.student, match_mid_block))
             self._build_regressors()
 
     @torch.no_grad()
     def _build_regressors(self) -> None:
         """One probe forward of both networks: a 1x1 conv for every block whose output width differs."""
-        cfg = self.student.config
-        size = cfg.sample_size if isinstance(cfg.sample_size, int) else cfg.sample_size[0]
-        x = torch.zeros(1, cfg.in_channels, size, size)
-        t = torch.zeros(1, dtype=torch.long)
-        cond = torch.zeros(1, 1, self.teacher_unet.config.cross_attention_dim)
-        self.teacher_unet(x, t, encoder_hidden_states=cond)
-        self.student(x, t, encoder_hidden_states=cond)
+        x, t, cond = self.family.example_inputs(self.teacher_unet)  # the student takes the teacher's inputs
+        self.family.denoise(self.teacher_unet, x, t, cond)
+        self.family.denoise(self.student, x, t, cond)
         teacher, student = self._teacher_rec.pop(), self._student_rec.pop()
         for name, f_t in teacher.items():
             f_s = student[name]
@@ -141,14 +123,14 @@ class FeatureDistillation(TeacherStudentDistillation):
         x0 = self.latents(batch, generator)
         n = x0.shape[0]
         drop = self.paired(torch.rand(n, generator=generator) < self.cond_dropout) if self.cond_dropout > 0 else None
-        cond = self.conditioner(batch, drop)["encoder_hidden_states"]
+        cond = self.family.condition(batch, drop)
         bins, iw = self.draw_time_bins(n, self.schedule.ve_sigmas.float(), generator)  # one bin per timestep
         t = bins.to(x0.device)
         eps = self.draw_noise(x0, generator)
         x_t = self.schedule.add_noise(x0, eps, t)
         teacher_out = self.teacher_forward(x_t, t, cond) if self.output_weight > 0 or self.feature_weight > 0 else None
         teacher_feats = self._teacher_rec.pop() if self.feature_weight > 0 else {}
-        pred = self.student(x_t, t, encoder_hidden_states=cond).sample.float()
+        pred = self.family.denoise(self.student, x_t, t, cond).float()
         def mse(a, b):  # per example: the importance weights (method.noise) apply per example
             return (a.float() - b.float()).pow(2).flatten(1).mean(1)
 

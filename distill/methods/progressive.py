@@ -60,7 +60,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
         self.rounds = rounds
         self.start_steps, self.steps_per_round = start_steps, steps_per_round
-        self.teacher_prediction_type = teacher.prediction_type
+        self.teacher_prediction_type = self.family.prediction_type
         self.student_prediction_type, self.loss_weighting = student_prediction_type, loss_weighting
         if self.noise.preconditioning == "edm":  # the EDM-wrapped student predicts what the student is trained to
             self.student.register_to_config(edm_prediction_type=student_prediction_type)
@@ -76,7 +76,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         self.first_round = -1 if guided_stage_steps > 0 else 0
         default_w = guidance_scale if self.w_conditioned else 1.0
         self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": default_w})
-        self.num_train_timesteps = teacher.scheduler.config.num_train_timesteps
+        self.num_train_timesteps = self.schedule.num_train_timesteps
         self.round_index = self.first_round
 
     # ------------------------------------------------------------------ rounds
@@ -192,7 +192,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
             x_target = progressive_x_target(x_t, x_end, a_t, s_t, a_e, s_e)
             eps_target = (x_t - a_t * x_target) / s_t
         target = self.schedule.prediction_target(x_target, eps_target, t, self.student_prediction_type)
-        pred = self.student(x_t, t, encoder_hidden_states=cond, **w_kwargs).sample
+        pred = self.family.denoise(self.student, x_t, t, cond, **w_kwargs)
         weight = snr_weight(self.schedule.snr(t), self.student_prediction_type, self.loss_weighting)
         per_example = diffusion_loss(pred, target, weight, reduce=False)
         if self.training:

@@ -38,6 +38,11 @@ def concat_conditions(a: dict, b: dict) -> dict:
     return {k: torch.cat([a[k], b[k]]) for k in a}
 
 
+def take_conditions(cond: dict, index: torch.Tensor) -> dict:
+    """The rows ``index`` of every entry of a condition dict."""
+    return {k: v[index] for k, v in cond.items()}
+
+
 class TextConditioner(nn.Module):
     """Captions -> ``encoder_hidden_states`` from a frozen CLIP text encoder, as in Stable Diffusion.
 

@@ -14,15 +14,15 @@ from torch import nn
 
 
 def make_student(student: nn.Module | Callable[..., nn.Module], teacher) -> nn.Module:
-    """A ready module, or a builder called on the teacher's UNet (and its noise schedule, or the whole teacher:
-    VAE, text encoder, tokenizer, if it asks: a builder that calibrates on data)."""
+    """A ready module, or a builder called on the teacher's denoiser (and its noise schedule, or the whole teacher:
+    its family's conditioning and latents, if it asks: a builder that calibrates on data)."""
     if isinstance(student, nn.Module):
         return student
     wants = inspect.signature(student).parameters
     extra = {"noise_scheduler": teacher.scheduler} if "noise_scheduler" in wants else {}
     if "teacher" in wants:
         extra["teacher"] = teacher
-    return student(teacher.unet, **extra)
+    return student(teacher.denoiser, **extra)
 
 
 def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | None = None,

@@ -1,4 +1,5 @@
-"""Teachers are Stable-Diffusion-format pipelines: a local folder or a hub id, loaded the same way."""
+"""Teachers are diffusers pipelines, a local folder or a hub id loaded the same way: the ``Teacher`` a model family
+loads (``distill.families.load_teacher``), and the checks made from a pipeline's JSON configs before any weights."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from distill.diffusion.parametrization import PREDICTION_TYPES
@@ -17,7 +17,8 @@ SAFETY_COMPONENTS = ("safety_checker", "feature_extractor")  # what a stock SD p
 
 @dataclass
 class Teacher:
-    """The frozen parts of a text-to-image latent diffusion model."""
+    """The frozen parts of a text-to-image latent diffusion model, and its ``family`` (a
+    ``distill.families.ModelFamily`` instance bound to these parts: conditioning, latents, schedule, denoise)."""
 
     unet: nn.Module
     vae: nn.Module
@@ -26,6 +27,12 @@ class Teacher:
     scheduler: object
     source: str
     load_options: dict = field(default_factory=dict)  # from_pretrained's revision, variant, torch_dtype for source
+    family: object = None  # set by the family that loads it
+
+    @property
+    def denoiser(self) -> nn.Module:
+        """The denoising network (what a student is built from)."""
+        return self.unet
 
     @property
     def prediction_type(self) -> str:
@@ -107,28 +114,6 @@ def check_pipeline_folder(path: str | Path) -> dict:
             f"teacher {str(path)!r} has prediction_type={prediction_type!r}; supported: {list(PREDICTION_TYPES)}"
         )
     return spec
-
-
-def load_teacher(pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,
-                 torch_dtype: str | None = None) -> Teacher:
-    """Load and freeze a Stable-Diffusion-format teacher (``requires_grad_(False)``, ``eval()``)."""
-    from diffusers import StableDiffusionPipeline
-
-    if Path(pretrained_model_name_or_path).exists():
-        check_pipeline_folder(pretrained_model_name_or_path)
-    else:  # a hub id: its configs are fetched (not its weights) to refuse another family first
-        check_family(pretrained_model_name_or_path, pipeline_configs(pretrained_model_name_or_path, revision))
-    dtype = getattr(torch, torch_dtype) if torch_dtype else None
-    pipe = StableDiffusionPipeline.from_pretrained(
-        pretrained_model_name_or_path, revision=revision, variant=variant, torch_dtype=dtype,
-        safety_checker=None, requires_safety_checker=False,
-    )
-    if pipe.scheduler.config.prediction_type not in PREDICTION_TYPES:
-        raise ValueError(f"teacher prediction_type={pipe.scheduler.config.prediction_type!r} is not supported")
-    for module in (pipe.unet, pipe.vae, pipe.text_encoder):
-        module.requires_grad_(False).eval()
-    return Teacher(pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler, str(pretrained_model_name_or_path),
-                   {"revision": revision, "variant": variant, "torch_dtype": dtype})
 
 
 def load_safety_components(source: str, **load_options) -> dict:

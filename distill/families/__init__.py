@@ -1,0 +1,17 @@
+"""Model families: one file per family (``sd``: SD-1.x/2.x; ``class_unet``: the class-conditional UNet), each a
+``ModelFamily`` registered in ``FAMILIES``. Pipeline-level code asks ``family_of(pipe)``, ``denoiser_of(pipe)`` and
+``native_size(pipe)`` instead of reaching for ``pipe.unet``."""
+
+from distill.families.base import (
+    FAMILIES,
+    ModelFamily,
+    denoiser_of,
+    detect_family,
+    family_for,
+    family_of,
+    load_teacher,
+    native_size,
+)
+
+__all__ = ["FAMILIES", "ModelFamily", "denoiser_of", "detect_family", "family_for", "family_of", "load_teacher",
+           "native_size"]

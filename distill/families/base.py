@@ -1,0 +1,230 @@
+"""The model family: one object that owns everything that differs between kinds of diffusion model, so that
+methods, samplers and pipeline-level code talk to one interface (issue 32; k-diffusion wraps every outside
+model once into one denoiser, torchtitan registers one package per model family).
+
+A family class is registered in ``FAMILIES`` (``@FAMILIES.register("sd")``) and knows, from a pipeline's JSON
+configs alone, whether a pipeline is one of its own (``detect``) and how to load it (``load``). A family
+instance is bound to one model's frozen parts: its noise scheduler (``schedule``, the one
+``DiscreteVPSchedule``), its VAE and its conditioner, and offers
+
+- conditioning: ``condition(batch, drop)`` and ``null_condition(n, device)``, a dict of the network's keyword
+  arguments (one or several encoders' states, pooled embeddings and extra ids all fit in it);
+- latents: ``encode(pixels)``, ``decode(latents)`` and ``scale_latents`` with the VAE's ``scaling_factor`` and,
+  where its config has one, ``shift_factor``;
+- ``denoise(network, x, t, cond, **extra)``: the one call every method makes of a teacher or student network
+  of the family (the student has the teacher's signature);
+- export: ``pipeline(network, scheduler, **call_defaults)`` of ``pipeline_class``, ``default_scheduler()``;
+- ``feature_blocks(network)``, the named blocks feature distillation and feature caching use.
+
+A family instance is a plain object, not a module: the method registers the same VAE, conditioner and schedule
+under its own attribute names, so that they move with it and its checkpoint keys do not change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from distill.diffusion import DiscreteVPSchedule
+from distill.models.teacher import Teacher, check_family, check_pipeline_folder, pipeline_configs
+from distill.utils.registry import Registry
+
+FAMILIES = Registry("family", ("distill.families.sd", "distill.families.class_unet"))
+TEACHER_KEY = "teacher.pretrained_model_name_or_path"
+
+
+class ModelFamily:
+    """One model family bound to one model's frozen parts: ``scheduler`` (its noise schedule), ``vae`` (None:
+    pixel space) and ``conditioner`` (a module mapping a batch to the network's conditioning keyword arguments,
+    with ``null(n, device)``)."""
+
+    conditioner_type: ClassVar[type] = nn.Module  # the conditioner this family conditions with
+    pipeline_class: ClassVar[type | None] = None  # the diffusers pipeline class of its exports
+
+    def __init__(self, scheduler, vae: nn.Module | None, conditioner: nn.Module):
+        if not isinstance(conditioner, self.conditioner_type):
+            raise TypeError(f"family {type(self).__name__} conditions with a {self.conditioner_type.__name__}; got "
+                            f"{type(conditioner).__name__}")
+        self.scheduler = scheduler
+        self.scheduler_config = dict(scheduler.config)  # what every sampling scheduler is built from
+        self.schedule = DiscreteVPSchedule.from_scheduler(scheduler)
+        self.vae = vae.requires_grad_(False).eval() if vae is not None else None
+        self.conditioner = conditioner
+
+    # ------------------------------------------------------------------ detection and loading (from configs)
+
+    @classmethod
+    def detect(cls, configs: dict[str, dict]) -> bool:
+        """Whether a pipeline is of this family, from ``pipeline_configs``' JSON alone (no weights)."""
+        raise NotImplementedError
+
+    @classmethod
+    def load(cls, pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,
+             torch_dtype: str | None = None) -> Teacher:
+        """The pipeline folder or hub id as a frozen ``Teacher`` whose ``family`` is an instance of this class."""
+        raise ValueError(f"a {cls.__name__} pipeline ({pretrained_model_name_or_path!r}) cannot be loaded as a "
+                         "teacher: the distillation methods distil text-conditioned teachers; give a Stable-Diffusion-"
+                         "format pipeline")
+
+    def copy(self, **options) -> ModelFamily:
+        """A new instance on the same frozen parts with its own state; each method holds its own."""
+        if options:
+            raise TypeError(f"{type(self).__name__}.copy takes no options; got {sorted(options)}")
+        return type(self)(self.scheduler, self.vae, self.conditioner)
+
+    # ------------------------------------------------------------------ conditioning
+
+    def condition(self, batch: dict, drop: torch.Tensor | None = None) -> dict:
+        """The network's conditioning keyword arguments for ``batch``; rows where ``drop`` (N,) is True get the
+        null condition (classifier-free guidance dropout, Ho & Salimans 2022)."""
+        return self.conditioner(batch, drop)
+
+    def null_condition(self, n: int, device: torch.device | str = "cpu") -> dict:
+        """The null condition (of classifier-free guidance) for ``n`` rows."""
+        return self.conditioner.null(n, device)
+
+    # ------------------------------------------------------------------ latents
+
+    def scale_latents(self, z: torch.Tensor) -> torch.Tensor:
+        """A VAE posterior sample -> the diffusion space: (z - shift_factor) * scaling_factor (Rombach et al.
+        2022; shift_factor only where the VAE's config has one)."""
+        if self.vae is None:
+            return z
+        shift = self.vae.config.get("shift_factor")
+        return (z if shift is None else z - shift) * self.vae.config.scaling_factor
+
+    @torch.no_grad()
+    def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Images (N, C, H, W) in [-1, 1] -> the diffusion space: a VAE posterior sample, scaled, in float32 (the
+        latents are the data); the images themselves in pixel space."""
+        from distill.data.latents import posterior_sample
+
+        if self.vae is None:
+            return pixels
+        return self.scale_latents(posterior_sample(self.vae, pixels, generator))
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """The diffusion space -> images (N, C, H, W) in [-1, 1]: ``scale_latents`` undone, then the VAE's decoder."""
+        if self.vae is None:
+            return latents
+        shift = self.vae.config.get("shift_factor")
+        z = latents / self.vae.config.scaling_factor
+        return self.vae.decode(z if shift is None else z + shift).sample
+
+    # ------------------------------------------------------------------ schedule and denoiser
+
+    @property
+    def prediction_type(self) -> str:
+        return self.schedule.prediction_type
+
+    def denoise(self, network: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
+        """The output of ``network`` (a teacher or student of this family) at (x, t) under ``cond``; ``extra``: more
+        keyword arguments of the network (a guidance embedding's ``timestep_cond``)."""
+        return network(x, t, **cond, **extra).sample
+
+    def example_inputs(self, network: nn.Module, n: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Zero (x, t, cond) of ``network``'s native shapes, for a probe forward."""
+        raise NotImplementedError
+
+    @classmethod
+    def feature_blocks(cls, network: nn.Module, mid_block: bool = False) -> dict[str, nn.Module]:
+        """The named blocks whose outputs feature distillation matches and feature caching reuses: every down
+        block and every up block of a UNet (BK-SDM, Kim et al. 2023), with ``mid_block`` its mid block too; a
+        classmethod, so that pipeline-level code asks ``family_of(pipe).feature_blocks(denoiser_of(pipe))``."""
+        groups = ("down_blocks", "up_blocks")
+        if not all(hasattr(network, g) for g in groups):
+            raise ValueError(f"{type(network).__name__} has no down_blocks/up_blocks to match features at; "
+                             "set method.feature_weight=0 (output distillation only)")
+        blocks = {f"down_blocks.{i}": b for i, b in enumerate(network.down_blocks)}
+        if mid_block and getattr(network, "mid_block", None) is not None:
+            blocks["mid_block"] = network.mid_block
+        blocks.update({f"up_blocks.{i}": b for i, b in enumerate(network.up_blocks)})
+        return blocks
+
+    # ------------------------------------------------------------------ export and pipelines
+
+    def pipeline(self, network: nn.Module, scheduler, **call_defaults):
+        """``network`` with this family's frozen parts as an in-memory ``pipeline_class`` sampling with
+        ``scheduler``, whose call defaults are ``call_defaults``; progress bar off."""
+        raise NotImplementedError
+
+    def default_scheduler(self):
+        """The scheduler an export samples with when its method names none: the model's own noise scheduler."""
+        return type(self.scheduler).from_config(self.scheduler_config)
+
+    @classmethod
+    def matches(cls, pipe) -> bool:
+        """Whether an in-memory pipeline is of this family."""
+        return cls.pipeline_class is not None and isinstance(pipe, cls.pipeline_class)
+
+    @classmethod
+    def denoiser_of(cls, pipe) -> nn.Module:
+        """The denoising network of a pipeline of this family."""
+        return pipe.unet
+
+    @classmethod
+    def native_size(cls, pipe) -> int:
+        """The image side a pipeline of this family samples at natively (the network's sample size in pixels)."""
+        size = cls.denoiser_of(pipe).config.sample_size
+        return (size if isinstance(size, int) else size[0]) * pipe.vae_scale_factor
+
+
+# ---------------------------------------------------------------------- lookups
+
+
+def detect_family(name_or_path: str | Path, configs: dict[str, dict], key: str = TEACHER_KEY) -> type[ModelFamily]:
+    """The registered family of a pipeline, from its configs (``pipeline_configs``); families distill does not run
+    yet are refused first, naming ``key`` (``check_family``)."""
+    check_family(name_or_path, configs, key)
+    found = [family for _, family in FAMILIES.items() if family.detect(configs)]
+    if len(found) != 1:
+        what = configs["pipeline"].get("_class_name") or configs["unet"].get("_class_name") or "an unknown pipeline"
+        raise ValueError(f"{key}={str(name_or_path)!r} ({what}) is recognised by "
+                         f"{[f.__name__ for f in found] or 'no registered model family'}; registered: "
+                         f"{FAMILIES.names()}. Add a family in distill/families/ (@FAMILIES.register) whose "
+                         "detect() recognises it")
+    return found[0]
+
+
+def load_teacher(pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,
+                 torch_dtype: str | None = None) -> Teacher:
+    """Load and freeze a teacher (``requires_grad_(False)``, ``eval()``) from a pipeline folder or hub id: its
+    family is detected from its configs (for a hub id, fetched without the weights), then loads it."""
+    configs = pipeline_configs(pretrained_model_name_or_path, revision)
+    if Path(pretrained_model_name_or_path).exists() and not configs["pipeline"]:
+        check_pipeline_folder(pretrained_model_name_or_path)  # no model_index.json: says what to give instead
+    family = detect_family(pretrained_model_name_or_path, configs)
+    return family.load(pretrained_model_name_or_path, revision=revision, variant=variant, torch_dtype=torch_dtype)
+
+
+def family_of(pipe) -> type[ModelFamily]:
+    """The registered family of an in-memory pipeline (its class)."""
+    found = [family for _, family in FAMILIES.items() if family.matches(pipe)]
+    if not found:
+        raise ValueError(f"{type(pipe).__name__} is of no registered model family ({FAMILIES.names()}); add one in "
+                         "distill/families/")
+    return max(found, key=lambda f: len(f.__mro__))  # the most specific
+
+
+def denoiser_of(pipe) -> nn.Module:
+    """The denoising network of an in-memory pipeline (``pipe.unet`` of a UNet family)."""
+    return family_of(pipe).denoiser_of(pipe)
+
+
+def native_size(pipe) -> int:
+    """The image side (pixels) an in-memory pipeline samples at natively."""
+    return family_of(pipe).native_size(pipe)
+
+
+def family_for(scheduler, vae: nn.Module | None, conditioner: nn.Module) -> ModelFamily:
+    """The family instance of a network trained from scratch on ``conditioner``'s conditioning (plain diffusion
+    training): the registered family that conditions with it."""
+    found = [family for _, family in FAMILIES.items() if isinstance(conditioner, family.conditioner_type)]
+    if not found:
+        raise ValueError(f"no registered model family conditions with a {type(conditioner).__name__}; registered: "
+                         f"{FAMILIES.names()}")
+    return max(found, key=lambda f: len(f.conditioner_type.__mro__))(scheduler, vae, conditioner)

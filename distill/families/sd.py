@@ -1,0 +1,85 @@
+"""Stable Diffusion 1.x / 2.x: a ``UNet2DConditionModel`` on the last hidden states of one CLIP text encoder,
+eps or v prediction on a discrete VP schedule, ``AutoencoderKL`` latents (Rombach et al. 2022)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from distill.diffusion.parametrization import PREDICTION_TYPES
+from distill.families.base import FAMILIES, ModelFamily
+from distill.inference.pipelines import DistillTextToImagePipeline
+from distill.models.conditioning import TextConditioner
+from distill.models.teacher import REQUIRED, Teacher, check_pipeline_folder, is_flow_matching
+
+SDXL_SIGNS = ("text_encoder_2",)
+
+
+@FAMILIES.register("sd")
+class StableDiffusionFamily(ModelFamily):
+    """SD-1.x/2.x text-to-image latent diffusion; conditioning ``{"encoder_hidden_states": (N, L, D)}``, the null
+    condition the empty prompt's states; exported as a ``DistillTextToImagePipeline`` (a StableDiffusionPipeline)."""
+
+    conditioner_type = TextConditioner
+    pipeline_class = DistillTextToImagePipeline
+
+    @classmethod
+    def detect(cls, configs: dict[str, dict]) -> bool:
+        """Every SD component, one text encoder, a UNet without SDXL's micro-conditioning, a DDPM-family schedule."""
+        pipeline, unet = configs["pipeline"], configs["unet"]
+        return (all(k in pipeline for k in REQUIRED) and not any(k in pipeline for k in SDXL_SIGNS)
+                and unet.get("_class_name", "UNet2DConditionModel") == "UNet2DConditionModel"
+                and unet.get("addition_embed_type") is None and not is_flow_matching(configs["scheduler"]))
+
+    @classmethod
+    def load(cls, pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,
+             torch_dtype: str | None = None) -> Teacher:
+        """``StableDiffusionPipeline.from_pretrained`` without its safety checker (training never runs it; an
+        export loads it again, ``load_safety_components``), every network frozen."""
+        from diffusers import StableDiffusionPipeline
+
+        if Path(pretrained_model_name_or_path).exists():  # every component folder, a supported prediction type
+            check_pipeline_folder(pretrained_model_name_or_path)
+        dtype = getattr(torch, torch_dtype) if torch_dtype else None
+        pipe = StableDiffusionPipeline.from_pretrained(
+            pretrained_model_name_or_path, revision=revision, variant=variant, torch_dtype=dtype,
+            safety_checker=None, requires_safety_checker=False,
+        )
+        if pipe.scheduler.config.prediction_type not in PREDICTION_TYPES:
+            raise ValueError(f"teacher prediction_type={pipe.scheduler.config.prediction_type!r} is not supported")
+        for module in (pipe.unet, pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        family = cls(pipe.scheduler, pipe.vae, TextConditioner(pipe.text_encoder, pipe.tokenizer))
+        return Teacher(pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler,
+                       str(pretrained_model_name_or_path), {"revision": revision, "variant": variant, "torch_dtype": dtype},
+                       family=family)
+
+    def copy(self, cache_prompts: bool = True) -> StableDiffusionFamily:
+        """A new instance on the same frozen parts with its own prompt cache (``cache_prompts``: embeddings kept
+        per distinct prompt, ``TextConditioner``)."""
+        conditioner = TextConditioner(self.conditioner.text_encoder, self.conditioner.tokenizer, cache=cache_prompts)
+        return type(self)(self.scheduler, self.vae, conditioner)
+
+    def example_inputs(self, network: nn.Module, n: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        c = network.config
+        size = c.sample_size if isinstance(c.sample_size, int) else c.sample_size[0]
+        return (torch.zeros(n, c.in_channels, size, size), torch.zeros(n, dtype=torch.long),
+                {"encoder_hidden_states": torch.zeros(n, 1, c.cross_attention_dim)})
+
+    def pipeline(self, network: nn.Module, scheduler, **call_defaults) -> DistillTextToImagePipeline:
+        pipe = DistillTextToImagePipeline(
+            vae=self.vae, text_encoder=self.conditioner.text_encoder, tokenizer=self.conditioner.tokenizer,
+            unet=network, scheduler=scheduler, safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False, **call_defaults,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @classmethod
+    def matches(cls, pipe) -> bool:
+        """Any StableDiffusionPipeline (a distill export or diffusers' own)."""
+        from diffusers import StableDiffusionPipeline
+
+        return isinstance(pipe, StableDiffusionPipeline)
