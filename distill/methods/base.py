@@ -38,31 +38,20 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_ste
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def text_to_image_pipeline(vae, conditioner, unet, scheduler, **call_defaults):
-    """A frozen VAE and text encoder plus ``unet`` as an in-memory StableDiffusionPipeline whose call defaults
-    (``default_num_inference_steps``, ``default_guidance_scale``, ``guidance_distilled``) are ``call_defaults``."""
-    from distill.inference.pipelines import DistillTextToImagePipeline
-
-    pipe = DistillTextToImagePipeline(
-        vae=vae, text_encoder=conditioner.text_encoder, tokenizer=conditioner.tokenizer, unet=unet,
-        scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-        **call_defaults,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 @torch.no_grad()
 def pipeline_images(pipe, captions: list[str], generator: torch.Generator, num_inference_steps: int | None = None,
                     guidance_scale: float | None = None) -> torch.Tensor:
-    """Images (N, C, H, W) in [-1, 1] from a text-to-image pipeline at its UNet's native size, in eval mode
-    (``None``: the pipeline's default step count or guidance)."""
-    was_training = pipe.unet.training
-    pipe.unet.eval()
-    size = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    """Images (N, C, H, W) in [-1, 1] from a pipeline at its denoiser's native size, in eval mode (``None``: the
+    pipeline's default step count or guidance)."""
+    from distill.families import denoiser_of, native_size
+
+    denoiser = denoiser_of(pipe)
+    was_training = denoiser.training
+    denoiser.eval()
+    size = native_size(pipe)
     images = pipe(list(captions), num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
                   height=size, width=size, generator=generator, output_type="pt").images
-    pipe.unet.train(was_training)
+    denoiser.train(was_training)
     return images * 2.0 - 1.0
 
 
