@@ -50,9 +50,9 @@ class Recorder(L.Callback):
                 lambda *_, network=network, into=into: into.append([p.detach().clone() for p in network.parameters()]))
 
 
-def _fit_recorded(tmp_path: Path, steps: int, k: int, **options):
+def _fit_recorded(tmp_path: Path, steps: int, k: int, *callbacks: L.Callback, **options):
     recorder = Recorder()
-    method, trainer = fit(tmp_path / "run", steps, k, callbacks=(recorder,), **options)
+    method, trainer = fit(tmp_path / "run", steps, k, callbacks=(recorder, *callbacks), **options)
     return method, trainer, recorder
 
 
@@ -62,7 +62,9 @@ def _callback(trainer, kind: str):
 
 def test_a_critic_ratio_of_k_steps_the_critic_k_times_per_student_update_and_max_steps_counts_students(tmp_path):
     steps, k = 5, 3
-    method, trainer, recorder = _fit_recorded(tmp_path, steps, k)
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    method, trainer, recorder = _fit_recorded(tmp_path, steps, k, LearningRateMonitor("step"))
     assert trainer.global_step == steps and method.role_updates == {"student": steps, "critic": k * steps}
     assert len(recorder.after["student"]) == steps and len(recorder.after["critic"]) == k * steps
     student_opt, critic_opt = trainer.optimizers
@@ -77,6 +79,8 @@ def test_a_critic_ratio_of_k_steps_the_critic_k_times_per_student_update_and_max
     assert names == [f"step_{i:07d}.ckpt" for i in range(1, steps + 1)]
     rows = [r for r in _metrics(tmp_path / "run") if r.get("train/critic_loss")]
     assert [int(r["step"]) for r in rows] == list(range(steps)) and all(r["train/loss"] for r in rows)
+    lrs = {int(r["step"]): float(r["lr-critic"]) for r in _metrics(tmp_path / "run") if r.get("lr-critic")}
+    assert lrs == {0: 1e-3, 1: 1e-3, 2: 1e-3, 3: 5e-4, 4: 5e-4}  # the LR monitor logs each role's by its name
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["role_updates"] == {"student": 5, "critic": 15}
 
 
@@ -180,6 +184,31 @@ def _popen(run_dir: Path, steps: int, k: int, *extra: str) -> subprocess.Popen:
                             text=True)
 
 
+def _assert_same_run(straight: Path, resumed: Path, steps: int, k: int) -> None:
+    """The last checkpoints of both runs hold the same bits for every role, and the logs the same loss curves."""
+    a, b = (safe_load(d / "checkpoints" / "last.ckpt") for d in (straight, resumed))
+    assert a["global_step"] == b["global_step"] == steps
+    assert a["role_updates"] == b["role_updates"] == {"student": steps, "critic": k * steps}
+    assert any(key.startswith("critic.") for key in a["state_dict"]) and len(a["optimizer_states"]) == 2
+    for key in ("state_dict", "optimizer_states", "lr_schedulers", "role_updates"):
+        _assert_same_state(a[key], b[key], key)
+    for name in [key for key in a["callbacks"] if key.startswith(("EMA", "NonFiniteGuard"))]:
+        _assert_same_state(a["callbacks"][name], b["callbacks"][name], name)
+    # the whole loss curve of both roles, to the last printed digit (a resumed step logged again overwrites)
+    curves = [{int(r["step"]): (r["train/loss"], r["train/critic_loss"]) for r in _metrics(d) if r.get("train/loss")}
+              for d in (straight, resumed)]
+    assert len(curves[0]) == steps and curves[0] == curves[1]
+
+
+def test_a_stopped_run_resumed_mid_epoch_is_bit_identical_for_every_role(tmp_path):
+    steps, k = 6, 2
+    fit(tmp_path / "straight", steps, k)
+    fit(tmp_path / "resumed", 3, k)
+    fit(tmp_path / "resumed", steps, k, resume=True)
+    _assert_same_run(tmp_path / "straight", tmp_path / "resumed", steps, k)
+
+
+@pytest.mark.slow  # about 45 s: three processes; the default suite resumes a stopped run (above)
 def test_resume_after_sigkill_is_bit_identical_for_every_role(tmp_path):
     steps, k = 30, 2
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -196,15 +225,4 @@ def test_resume_after_sigkill_is_bit_identical_for_every_role(tmp_path):
     assert proc.wait(timeout=300) == 0, proc.communicate()[1][-3000:]
     resumed = _popen(killed, steps, k, "resume")
     assert resumed.wait(timeout=300) == 0, resumed.communicate()[1][-3000:]
-    a, b = (safe_load(d / "checkpoints" / "last.ckpt") for d in (straight, killed))
-    assert a["global_step"] == b["global_step"] == steps
-    assert a["role_updates"] == b["role_updates"] == {"student": steps, "critic": k * steps}
-    assert any(key.startswith("critic.") for key in a["state_dict"]) and len(a["optimizer_states"]) == 2
-    for key in ("state_dict", "optimizer_states", "lr_schedulers", "role_updates"):
-        _assert_same_state(a[key], b[key], key)
-    for name in [key for key in a["callbacks"] if key.startswith(("EMA", "NonFiniteGuard"))]:
-        _assert_same_state(a["callbacks"][name], b["callbacks"][name], name)
-    # the whole loss curve of both roles, to the last printed digit (a resumed step logged again overwrites)
-    curves = [{int(r["step"]): (r["train/loss"], r["train/critic_loss"]) for r in _metrics(d) if r.get("train/loss")}
-              for d in (straight, killed)]
-    assert len(curves[0]) == steps and curves[0] == curves[1]
+    _assert_same_run(straight, killed, steps, k)

@@ -563,8 +563,9 @@ class DistillMethod(L.LightningModule):
             optimizer = self._optimizer_factory(role.optimizer)(params)
             optimizers.append(optimizer)
             if role.lr_scheduler is not None:
-                self._role_schedulers[role.name] = role.lr_scheduler(optimizer)
-                schedulers.append(self._role_schedulers[role.name])
+                self._role_schedulers[role.name] = role.lr_scheduler(optimizer)  # named for the LR monitor's log
+                schedulers.append({"scheduler": self._role_schedulers[role.name], "interval": "step",
+                                   "name": f"lr-{role.name}"})
         return optimizers, schedulers
 
     def adopt_gradient_clipping(self, gradient_clip_val: float | None, gradient_clip_algorithm: str | None = None,
