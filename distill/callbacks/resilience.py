@@ -238,9 +238,11 @@ class NonFiniteGuard(L.Callback):
                             and getattr(optimizers[0], "_step_supports_amp_scaling", False))
         if not self.device_side:
             pl_module.step_applied_mask = None
-        log.info("non-finite guard: skips bad steps on the %s", "device (optimizer found_inf, no per-step host "
-                 "sync)" if self.device_side else "host (one flag read per step; a fused optimizer, "
-                 "method.optimizer.fused=true, skips on the device)")
+        where = ("device (optimizer found_inf, no per-step host sync)" if self.device_side else
+                 "host (one flag read per step; a fused optimizer, method.optimizer.fused=true, skips on the device)"
+                 if getattr(pl_module, "automatic_optimization", True) else
+                 "host, each role's update on its own (one flag read per update: several roles)")
+        log.info("non-finite guard: skips bad steps on the %s", where)
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
         finite = torch.isfinite(loss.detach()).all()  # and-ed over the micro-batches of an accumulation window
