@@ -43,6 +43,8 @@ def output_folder(cfg: DictConfig, run_dir: Path) -> Path:
 @torch.no_grad()
 def record(pipe, prompts: list[str], steps: int, guidance_scale: float, seed: int, batch_size: int):
     """(inputs, outputs) of the UNet at every call: (batches, calls, batch rows, ...), a batch a trajectory set."""
+    from distill.families import denoiser_of
+
     inputs, outputs = [], []
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -51,7 +53,7 @@ def record(pipe, prompts: list[str], steps: int, guidance_scale: float, seed: in
         tensor = out if isinstance(out, torch.Tensor) else (out[0] if isinstance(out, tuple) else out.sample)
         calls.append((sample.detach().float().cpu(), tensor.detach().float().cpu()))
 
-    handle = pipe.unet.register_forward_hook(hook, with_kwargs=True)
+    handle = denoiser_of(pipe).register_forward_hook(hook, with_kwargs=True)
     try:
         for i, start in enumerate(range(0, len(prompts), batch_size)):
             calls.clear()

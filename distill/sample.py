@@ -44,6 +44,7 @@ def default_prompts(cfg: DictConfig) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="sample")
 def main(cfg: DictConfig) -> None:
+    from distill.families import native_size
     from distill.inference.loading import call_defaults, load_pipeline, pipeline_defaults
     from distill.inference.pipelines import DistillClassPipeline
     from distill.inference.schedulers import SCHEDULERS, make_scheduler, scheduler_options
@@ -66,7 +67,7 @@ def main(cfg: DictConfig) -> None:
                                                                                       call_defaults(pipe)[1])
     steps = cfg.num_inference_steps or defaults.get("num_inference_steps")
     step_kwargs = {"num_inference_steps": steps} if steps else {}  # else the pipeline's own default
-    size = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    size = native_size(pipe)
     rows = []
     start = time.perf_counter()
     for prompt in prompts:

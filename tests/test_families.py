@@ -197,3 +197,26 @@ def test_feature_blocks_and_example_inputs_of_the_sd_unet(teacher):
         assert teacher.family.denoise(teacher.unet, x, t, cond).shape == x.shape
     with pytest.raises(ValueError, match="has no down_blocks/up_blocks"):
         teacher.family.feature_blocks(torch.nn.Linear(2, 2))
+
+
+def test_a_method_refuses_a_teacher_without_a_family(teacher):
+    import dataclasses
+
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.models.students import copy_student
+
+    with pytest.raises(ValueError, match="has no model family: load it with distill.families.load_teacher"):
+        LatentConsistencyDistillation(dataclasses.replace(teacher, family=None), copy_student, torch.optim.AdamW)
+
+
+def test_a_method_holds_its_own_family_on_the_teachers_parts(teacher):
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.models.students import copy_student
+
+    method = LatentConsistencyDistillation(teacher, copy_student, torch.optim.AdamW, cache_prompts=False)
+    family = method.family
+    assert isinstance(family, StableDiffusionFamily) and family is not teacher.family
+    # the family's parts are the method's registered modules (they move with it; checkpoint keys unchanged)
+    assert method.vae is family.vae is teacher.vae and method.conditioner is family.conditioner
+    assert method.schedule is family.schedule and not family.conditioner.cache_enabled
+    assert not any(k.startswith("family.") for k in method.state_dict())

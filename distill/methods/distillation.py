@@ -44,6 +44,9 @@ class TeacherStudentDistillation(DistillMethod):
             raise ValueError(f"method.guidance_scale_min={guidance_scale_min} > method.guidance_scale_max={guidance_scale_max}")
         super().__init__(optimizer, lr_scheduler, **speed)
         self.teacher_source, self.teacher_load_options = teacher.source, teacher.load_options
+        if teacher.family is None:
+            raise ValueError(f"teacher {teacher.source!r} has no model family: load it with "
+                             "distill.families.load_teacher (teacher._target_), which detects and attaches it")
         self.teacher_unet = teacher.denoiser.requires_grad_(False).eval()
         self.family = teacher.family.copy(cache_prompts=cache_prompts)  # this method's own prompt cache
         # the family's frozen parts, registered here under their old names: they move with the method, and the

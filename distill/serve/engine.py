@@ -47,6 +47,8 @@ from typing import Literal, get_args
 
 import torch
 
+from distill.families import denoiser_of, native_size
+
 log = logging.getLogger(__name__)
 
 # the serving modes, typed so that the config schema makes engine.mode a fixed set of choices from this signature
@@ -278,9 +280,10 @@ class Engine:
         self.scheduler_options = dict(scheduler_options or {})
         self._streams: dict[str, torch.cuda.Stream] = {}
         self.accelerator = accelerator
-        self.device = pipe.unet.device
+        self.denoiser = denoiser_of(pipe)  # the family's network (pipe.unet of a UNet family)
+        self.device = self.denoiser.device
         self.factor = pipe.vae_scale_factor
-        self.native = pipe.unet.config.sample_size * self.factor
+        self.native = native_size(pipe)
         self.own_scheduler = (type(pipe.scheduler), pipe.scheduler.config)
         if accelerator is not None:  # the default scheduler must work with it before anything is computed
             accelerator.check_scheduler(self.scheduler_for(scheduler))
@@ -316,7 +319,7 @@ class Engine:
     def needs_cfg(self, guidance_scale: float) -> bool:
         """Whether a call at this guidance runs classifier-free guidance (two UNet rows per image), as the
         pipeline decides: guidance > 1, and the UNet neither takes guidance as an input nor distilled it."""
-        return (guidance_scale > 1 and self.pipe.unet.config.time_cond_proj_dim is None
+        return (guidance_scale > 1 and self.denoiser.config.time_cond_proj_dim is None
                 and not getattr(self.pipe.config, "guidance_distilled", False))
 
     def check(self, prompts: list[str], steps: int | None, guidance_scale: float | None, height: int | None,
@@ -791,7 +794,7 @@ class Engine:
         job.timesteps, job.index = job.sched.timesteps, 0
         job.calls = len(job.timesteps)
         gens = self._generators([job])
-        c = pipe.unet.config
+        c = self.denoiser.config
         shape = (job.n, c.in_channels, job.height // self.factor, job.width // self.factor)
         job.latents = randn_tensor(shape, generator=gens, device=self.device, dtype=job.embeds.dtype)
         job.latents = job.latents * job.sched.init_noise_sigma
@@ -910,8 +913,8 @@ class Engine:
                 conds.append(job.cond)
         dtypes = {t.dtype for t in ts}
         t_all = torch.cat([t.float() for t in ts]) if len(dtypes) > 1 else torch.cat(ts)
-        out = self.pipe.unet(torch.cat(xs), t_all, encoder_hidden_states=torch.cat(embeds),
-                             timestep_cond=torch.cat(conds) if conds else None, return_dict=False)[0]
+        out = self.denoiser(torch.cat(xs), t_all, encoder_hidden_states=torch.cat(embeds),
+                           timestep_cond=torch.cat(conds) if conds else None, return_dict=False)[0]
         predictions = []
         for job, pred in zip(jobs, out.split([len(x) for x in xs])):
             if job.cfg:
