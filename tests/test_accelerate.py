@@ -17,7 +17,7 @@ from distill.accelerate import (
     Forecast,
     SamplingContext,
     accelerated,
-    accelerated_unet,
+    accelerated_denoiser,
     context_of,
     preset,
 )
@@ -86,7 +86,7 @@ def _loop(unet, scheduler, steps, accelerator=None):
     x = torch.randn(2, 4, 16, 16, generator=generator)
     text = torch.randn(2, 5, 16, generator=generator)
     outs = []
-    with accelerated_unet(unet, accelerator, steps), torch.no_grad():
+    with accelerated_denoiser(unet, accelerator, steps), torch.no_grad():
         for t in scheduler.timesteps:
             out = unet(x, t, encoder_hidden_states=text).sample
             outs.append(out)
@@ -128,7 +128,7 @@ def test_cached_steps_run_only_the_shallow_branch_and_save_flops():
     deep = {n for n, _, d in layers if d > 1}
     assert all(calls[n] == 2 for n in deep) and all(calls[n] == 4 for n in calls if n not in deep)
     x, t, text = torch.randn(1, 4, 16, 16), torch.tensor(10), torch.randn(1, 5, 16)
-    with accelerated_unet(unet, accelerator, 2):
+    with accelerated_denoiser(unet, accelerator, 2):
         full = count_flops(lambda: unet(x, t, encoder_hidden_states=text))
         cached = count_flops(lambda: unet(x, t, encoder_hidden_states=text))
     assert cached < 0.5 * full
@@ -193,14 +193,14 @@ def test_the_taylor_forecast_is_taylorseers_expansion():
     f1 = outs[2] - outs[1]
     f2 = (outs[2] - outs[1]) - (outs[1] - outs[0])
     net, forecast = Recorded(outs), Forecast(order=2, warmup=3, steps=[0, 1, 2])
-    with accelerated_unet(net, forecast, 5):
+    with accelerated_denoiser(net, forecast, 5):
         got = [net(torch.tensor(k)) for k in range(5)]
     assert net.calls == 3
     for s, k in ((1, 3), (2, 4)):
         assert torch.allclose(got[k], outs[2] + f1 * s + f2 * s * s / 2)
     # a trajectory linear in the step is forecast exactly at order 1
     net, line = Recorded([torch.full((2,), 3.0 * k + 1) for k in range(10)]), Forecast(order=1, interval=3, last=0)
-    with accelerated_unet(net, line, 10):
+    with accelerated_denoiser(net, line, 10):
         got = [float(net(torch.tensor(k))[0]) for k in range(10)]
     assert got == [3.0 * k + 1 for k in range(10)] and net.calls == len(real_steps(10, 3, 2, 0)) < 10
 
@@ -638,7 +638,7 @@ def test_img2img_at_strength_half_forecasts_the_calls_it_runs(pipe):
 
 def test_heun_in_the_training_callbacks_path_counts_eleven_calls(pipe):
     """The quality-cost callback samples a method's own pipeline with the accelerator on the UNet
-    (``MethodSampler`` -> ``accelerated_unet``): Heun's 6 steps are 11 calls there too, so DeepCache's schedule
+    (``MethodSampler`` -> ``accelerated_denoiser``): Heun's 6 steps are 11 calls there too, so DeepCache's schedule
     covers all 11 and a forecast refuses before the first call, as on a pipeline."""
     from distill.callbacks.quality_cost import MethodSampler
     from distill.inference.schedulers import make_scheduler, scheduler_options

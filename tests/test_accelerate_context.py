@@ -17,7 +17,7 @@ from distill.accelerate import (
     ACCELERATORS,
     SamplingContext,
     accelerated,
-    accelerated_unet,
+    accelerated_denoiser,
     context_of,
     make_accelerator,
 )
@@ -89,13 +89,13 @@ def test_reused_calls_halve_the_nfe_and_flops_the_cost_meter_measures(pipe):
 
 
 def test_the_context_records_what_ran_on_each_call():
-    """A loop of one's own (``accelerated_unet``): interval 3 computes calls 0, 3, 6 and repeats their outputs."""
+    """A loop of one's own (``accelerated_denoiser``): interval 3 computes calls 0, 3, 6 and repeats their outputs."""
     class Net(torch.nn.Module):
         def forward(self, k):
             return k.float() * torch.ones(2)
 
     net, ran = Net(), []
-    with accelerated_unet(net, ReuseOutput(interval=3), 7), NFECounter(net) as counter:
+    with accelerated_denoiser(net, ReuseOutput(interval=3), 7), NFECounter(net) as counter:
         context = context_of(net)
         outs = []
         for k in range(7):
@@ -154,7 +154,7 @@ def test_the_in_house_sampler_calls_the_step_callback_too():
 def test_one_session_per_denoiser_and_callers_set_only_their_fields(pipe):
     with accelerated(pipe, ReuseOutput()) as context:
         with pytest.raises(RuntimeError, match="already samples with an accelerator"):
-            with accelerated_unet(pipe.unet, ReuseOutput(), 4):
+            with accelerated_denoiser(pipe.unet, ReuseOutput(), 4):
                 pass
         with pytest.raises(TypeError, match=r"update\(call=...\).*'prompts'"):
             context.update(call=3)
@@ -163,7 +163,6 @@ def test_one_session_per_denoiser_and_callers_set_only_their_fields(pipe):
     assert SamplingContext().scheduler is None
 
 
-@pytest.mark.skip(reason="needs the DISTILL_PLUGINS loader of the registries change (issue 32 item 4), not landed yet")
 def test_the_toy_is_selectable_from_the_command_line(tmp_path):
     """``DISTILL_PLUGINS=tests.examples.toy_accelerator python -m distill.evaluate accelerate.kind=reuse``: the
     row is the toy's, and its NFE (CFG: 2 evaluations a computed call) is half of 4 steps' 8."""

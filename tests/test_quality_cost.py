@@ -80,7 +80,7 @@ def test_cfg_doubles_counted_nfe(tiny_sd):
     from distill.metrics.quality_cost import PipelineSampler
 
     sampler = PipelineSampler(StableDiffusionPipeline.from_pretrained(tiny_sd))
-    with NFECounter(sampler.unet) as counter:
+    with NFECounter(sampler.denoiser) as counter:
         sampler(["a handwritten digit one"] * 3, torch.ones(3), "ddim", 4, 3.0, torch.Generator().manual_seed(0))
     assert counter.calls == 4 and counter.examples == 3 * 4 * 2
 
@@ -122,7 +122,7 @@ def test_teacher_rows_run_on_the_students_device_and_dtype(tiny_sd, tmp_path):
             (scheduler, steps), = plan
             images = sampler(["a handwritten digit one"] * 2, torch.ones(2), scheduler, steps, guidance_scale,
                              torch.Generator().manual_seed(0))
-            parameter = next(sampler.unet.parameters())
+            parameter = next(sampler.denoiser.parameters())
             seen[model] = (parameter.device, parameter.dtype, images.dtype)
             return [{"model": model, "scheduler": scheduler, "steps": steps, "fid": 1.0, "fid_std": 0.1,
                      "latency_s": 0.01}]

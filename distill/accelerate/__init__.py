@@ -24,7 +24,7 @@ from distill.accelerate.base import (
     Chain,
     NoAccelerator,
     accelerated,
-    accelerated_unet,
+    accelerated_denoiser,
     check_schedulers,
     disable,
     enable,
@@ -76,5 +76,5 @@ def preset(name: str, **context) -> Accelerator | None:
 
 
 __all__ = ["ACCELERATORS", "Accelerator", "Chain", "ClassifierGuidance", "DeepCache", "Forecast", "NoAccelerator",
-           "SamplingContext", "accelerated", "accelerated_unet", "accelerator_options", "check_schedulers",
+           "SamplingContext", "accelerated", "accelerated_denoiser", "accelerator_options", "check_schedulers",
            "context_of", "disable", "enable", "make_accelerator", "preset"]

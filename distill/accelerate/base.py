@@ -2,7 +2,7 @@
 pipeline's denoiser for a session (``distill.accelerate.context``).
 
 ``accelerated(pipe, accelerator, **context)`` samples with it inside a ``with`` block; ``enable(pipe, accelerator)``
-until ``disable(pipe)``; ``accelerated_unet`` on a sampling loop of one's own. The pipeline is still called as
+until ``disable(pipe)``; ``accelerated_denoiser`` on a sampling loop of one's own. The pipeline is still called as
 ``pipe(prompt, ...)``. An accelerator sees each network call as ``call(context, forward, *args, **kwargs)``: it
 may call ``forward`` (the network, or the accelerators it wraps), change what it returns, or return an output of
 its own without calling it; the context then records that no network ran, and the cost meter does not count it.
@@ -119,8 +119,10 @@ def enable(pipe, accelerator: Accelerator, **context) -> SamplingContext:
     """``accelerator`` on ``pipe`` until ``disable(pipe)``: every later ``pipe(...)`` call samples with it.
     ``context``: the caller's fields of the ``SamplingContext`` (``scheduler_name``, ``guidance_scale``, ``labels``,
     ``prompts``), which the returned context's ``update`` changes for later calls."""
+    from distill.families import denoiser_of
+
     disable(pipe)
-    session = Session(pipe.unet, accelerator, SamplingContext(pipe=pipe).update(**context)).start()
+    session = Session(denoiser_of(pipe), accelerator, SamplingContext(pipe=pipe).update(**context)).start()
     _ENABLED[id(pipe)] = (pipe, session)
     return session.context
 
@@ -147,14 +149,14 @@ def accelerated(pipe, accelerator: Accelerator | None, **context) -> Iterator[Sa
 
 
 @contextlib.contextmanager
-def accelerated_unet(unet: torch.nn.Module, accelerator: Accelerator | None, num_inference_steps: int,
+def accelerated_denoiser(denoiser: torch.nn.Module, accelerator: Accelerator | None, num_inference_steps: int,
                      scheduler: str | None = None, guidance_scale: float | None = None, pipe=None,
                      **context) -> Iterator[torch.nn.Module]:
-    """``accelerator`` on ``unet`` for one trajectory of ``num_inference_steps`` (a sampling loop that builds
+    """``accelerator`` on ``denoiser`` for one trajectory of ``num_inference_steps`` (a sampling loop that builds
     its own pipeline, e.g. a training method's ``generate``; ``pipe``: one like it, for its scheduler and VAE,
     whose calls for that many steps are counted on a copy of its scheduler); plain with None."""
     if accelerator is None:
-        yield unet
+        yield denoiser
         return
     calls, order = num_inference_steps, 1
     if pipe is not None:
@@ -162,10 +164,10 @@ def accelerated_unet(unet: torch.nn.Module, accelerator: Accelerator | None, num
         counted.set_timesteps(num_inference_steps)
         calls, order = scheduler_calls(counted)[0], counted.order
     ctx = SamplingContext(pipe=pipe, scheduler_name=scheduler, guidance_scale=guidance_scale).update(**context)
-    session = Session(unet, accelerator, ctx, follow=False).start()
+    session = Session(denoiser, accelerator, ctx, follow=False).start()
     try:
         session.begin(num_inference_steps, calls, order)
-        yield unet
+        yield denoiser
     finally:
         session.stop()
 

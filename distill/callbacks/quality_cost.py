@@ -21,7 +21,7 @@ class MethodSampler:
     """A training method's ``generate`` (the student as it is now, before any export)."""
 
     def __init__(self, method):
-        self.method, self.unet = method, method.student
+        self.method, self.denoiser = method, method.student
         self.accelerator = None  # a training-free sampling accelerator (distill.accelerate) on the student
         # the guidance the student's intended call really uses (1 for a LoRA student that distilled it)
         defaults = method.call_defaults() if hasattr(method, "call_defaults") else {}
@@ -29,12 +29,12 @@ class MethodSampler:
 
     @torch.no_grad()
     def __call__(self, captions, labels, scheduler, steps, guidance_scale, generator):
-        from distill.accelerate import accelerated_unet
+        from distill.accelerate import accelerated_denoiser
 
         batch = {"caption": list(captions), "label": labels}
         pipe = self.method.pipeline(scheduler) if self.accelerator is not None else None  # its scheduler and VAE
-        with accelerated_unet(self.unet, self.accelerator, steps, scheduler, guidance_scale, pipe, labels=labels,
-                              prompts=list(captions)):
+        with accelerated_denoiser(self.denoiser, self.accelerator, steps, scheduler, guidance_scale, pipe,
+                                  labels=labels, prompts=list(captions)):
             return self.method.generate(batch, generator, num_inference_steps=steps, guidance_scale=guidance_scale,
                                         scheduler=scheduler)
 
@@ -110,7 +110,7 @@ class QualityCostCallback(L.Callback):
         from distill.inference.loading import call_defaults, pipeline_defaults
 
         sampler = self._teacher_sampler(pl_module)
-        device = sampler.unet.device
+        device = sampler.denoiser.device
         guidance = self.teacher_guidance_scale
         if guidance is None:
             # the teacher's intended call (distill.json), else its pipeline class's (StableDiffusionPipeline: 7.5)

@@ -79,7 +79,10 @@ class StableDiffusionFamily(ModelFamily):
 
     @classmethod
     def matches(cls, pipe) -> bool:
-        """Any StableDiffusionPipeline (a distill export or diffusers' own)."""
+        """Any StableDiffusionPipeline (a distill export or diffusers' own), or its img2img and inpainting
+        siblings (the same components)."""
+        from diffusers import StableDiffusionImg2ImgPipeline as Img2Img
+        from diffusers import StableDiffusionInpaintPipeline as Inpaint
         from diffusers import StableDiffusionPipeline
 
-        return isinstance(pipe, StableDiffusionPipeline)
+        return isinstance(pipe, (StableDiffusionPipeline, Img2Img, Inpaint))

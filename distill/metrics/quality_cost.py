@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from distill.families import denoiser_of, native_size
 from distill.inference.schedulers import scheduler_options
 from distill.metrics.bootstrap import protocol_key
 from distill.metrics.cost import NFECounter, measure_cost
@@ -16,9 +17,10 @@ from distill.metrics.registry import Samples, build_metrics
 
 
 class Sampler(Protocol):
-    """Anything that turns captions into images in [-1, 1] with a named scheduler and step count."""
+    """Anything that turns captions into images in [-1, 1] with a named scheduler and step count; its
+    ``denoiser`` is the network the cost meter counts."""
 
-    unet: torch.nn.Module
+    denoiser: torch.nn.Module
 
     def __call__(self, captions: list[str], labels: torch.Tensor, scheduler: str, steps: int,
                  guidance_scale: float | None, generator: torch.Generator) -> torch.Tensor: ...
@@ -33,13 +35,13 @@ class PipelineSampler:
 
     def __init__(self, pipe, options: dict[str, dict] | None = None, own: str | None = None,
                  null_prompts: bool = False):
-        self.pipe, self.unet = pipe, pipe.unet
+        self.pipe, self.denoiser = pipe, denoiser_of(pipe)
         self.null_prompts = null_prompts  # sample from the empty prompt (labels kept: a guide alone steers)
         self.base_config = pipe.scheduler.config
         self.own_class, self.own = type(pipe.scheduler), own
         self.options = dict(options or {})
         pipe.set_progress_bar_config(disable=True)
-        self.size = pipe.unet.config.sample_size * pipe.vae_scale_factor
+        self.size = native_size(pipe)
         self.accelerator = None  # a training-free sampling accelerator (distill.accelerate), None: plain
 
     def scheduler(self, name: str):
@@ -180,10 +182,10 @@ class QualityCostEvaluator:
         def run() -> torch.Tensor:
             return sampler(captions, labels, scheduler, steps, guidance_scale, torch.Generator().manual_seed(0))
 
-        params = sum(p.numel() for p in sampler.unet.parameters())
-        active = getattr(sampler.unet, "active_parameters", lambda: params)()
-        device = next(sampler.unet.parameters()).device
-        with NFECounter(sampler.unet) as counter:
+        params = sum(p.numel() for p in sampler.denoiser.parameters())
+        active = getattr(sampler.denoiser, "active_parameters", lambda: params)()
+        device = next(sampler.denoiser.parameters()).device
+        with NFECounter(sampler.denoiser) as counter:
             cost = measure_cost(run, counter, n, params, active, repeats=self.cost_repeats, device=device)
         return cost.as_dict()
 
