@@ -133,7 +133,7 @@ def test_kid_is_unbiased_at_small_sample_counts_where_fid_is_not():
 # ---------------------------------------------------------------- the registry
 
 
-def test_a_registered_metric_reaches_every_table_and_csv(monkeypatch, tmp_path):
+def test_a_registered_metric_reaches_every_table_and_csv(request, tmp_path):
     """Adding a metric is one class: the evaluator measures it, the CSV, table and console lines show it."""
     from distill.metrics.quality_cost import QualityCostEvaluator
     from distill.metrics.registry import METRICS, Estimate, Metric, Samples, mean_estimate
@@ -147,7 +147,8 @@ def test_a_registered_metric_reaches_every_table_and_csv(monkeypatch, tmp_path):
             values = samples.images.mean(dim=(1, 2, 3))
             return mean_estimate(values, samples, 20, self.seed, values.std().item() / math.sqrt(len(values)))
 
-    monkeypatch.setitem(METRICS, "brightness", MeanBrightness)
+    METRICS.register("brightness")(MeanBrightness)
+    request.addfinalizer(lambda: METRICS.unregister("brightness"))
     eval_set = instantiate_eval("eval=digits", "eval.metrics=[brightness]", "eval.clip=null")
     evaluator = QualityCostEvaluator(eval_set, num_per_class=2)
     images = torch.linspace(-1, 1, 20).view(20, 1, 1, 1).expand(20, 1, 32, 32)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
 
+from distill.methods import METHODS
 from distill.methods.base import DistillMethod
 from distill.models.vae import measure_scaling_factor
 
@@ -21,6 +22,7 @@ def psnr(mse: torch.Tensor, data_range: float = 2.0) -> torch.Tensor:
     return 10.0 * torch.log10(data_range**2 / mse.clamp_min(1e-12))
 
 
+@METHODS.register("vae", choices={"recon_loss": RECON_LOSSES})
 class VAETraining(DistillMethod):
     """Pixel reconstruction loss of posterior samples plus a small KL pull of the posterior towards N(0, I).
 

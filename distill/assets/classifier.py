@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distill.methods import METHODS
 from distill.methods.base import DistillMethod
 
 
@@ -36,6 +37,7 @@ def random_affine(x: torch.Tensor, max_translate: float, max_rotate_deg: float, 
     return F.grid_sample(x + 1, grid, mode="bilinear", padding_mode="zeros", align_corners=False) - 1
 
 
+@METHODS.register("classifier")
 class ClassifierTraining(DistillMethod):
     """Cross-entropy training of ``student`` (a ``DigitClassifier``) with light affine augmentation."""
 

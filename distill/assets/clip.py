@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import CLIPModel, CLIPTokenizer
 
 from distill.assets.digit_metrics import clip_zeroshot_logits
+from distill.methods import METHODS
 from distill.methods.base import DistillMethod
 from distill.models.clip import (
     CAPTION_TEMPLATES,
@@ -54,6 +55,7 @@ def random_shift(images: torch.Tensor, max_shift: int, background: float = -1.0)
     return torch.stack([padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w] for i in range(n)])
 
 
+@METHODS.register("clip")
 class CLIPTraining(DistillMethod):
     """Trains ``student`` (a ``CLIPModel``) to match digit images with captions from several templates.
 

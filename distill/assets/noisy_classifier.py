@@ -11,11 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distill.methods import METHODS
 from distill.methods.base import DistillMethod, encode_latents
 
 VAL_TIMESTEPS = (0, 250, 500, 750, 999)
 
 
+@METHODS.register("noisy_classifier")
 class NoisyClassifierTraining(DistillMethod):
     """``student`` (a ``NoisyLatentClassifier``) learns p(y | x_t, t) on ``vae`` latents noised by ``noise_scheduler``."""
 

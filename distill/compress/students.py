@@ -20,11 +20,13 @@ from torch import nn
 
 from distill.compress.lowrank import UNET_KEEP_DENSE, LowRankUNet2DConditionModel, lowrank_unet
 from distill.compress.prune import PrunedUNet2DConditionModel
+from distill.models.registry import STUDENTS
 from distill.models.students import copy_student, unet_folder
 
 log = logging.getLogger(__name__)
 
 
+@STUDENTS.register("lowrank")
 def lowrank_student(teacher_unet: UNet2DConditionModel, rank: int | Mapping[str, int] | None = None,
                     energy: float | Mapping[str, float] | None = None, budget: float | None = None,
                     keep_dense: Sequence[str] = UNET_KEEP_DENSE, layer_kinds: Sequence[str] = ("linear", "conv"),
@@ -67,6 +69,7 @@ def calibration_batches(datamodule, teacher, num_batches: int, seed: int = 0) ->
     return batches
 
 
+@STUDENTS.register("pruned")
 def pruned_student(teacher_unet: UNet2DConditionModel, ratio: float = 0.5, target: str = "flops",
                    importance: str = "magnitude", per_block: bool = True, prune_heads: bool = True,
                    iterative_steps: int = 50, timesteps: Sequence[int] | None = None, threshold: float = 0.05,
@@ -116,6 +119,12 @@ def _unet_class(name: str) -> type:
     return cls
 
 
+def _check_pretrained(cfg) -> None:
+    """``student.path`` holds a UNet (a config check, before anything is loaded)."""
+    unet_folder(cfg.student.path)
+
+
+@STUDENTS.register("pretrained", check_config=_check_pretrained)
 def pretrained_student(teacher_unet: nn.Module, path: str, time_cond_proj_dim: int | None = None,
                        gradient_checkpointing: bool = False) -> nn.Module:
     """A UNet trained before, loaded from ``path`` (a pipeline folder or its ``unet/``), of any class distill

@@ -144,6 +144,37 @@ def builds(name: str, target: str, *, exclude: Iterable[str] = (), choices: dict
     return schema
 
 
+def registered(registry, suffix: str, *, passed: Iterable[str] = (), partial_if: str | None = None,
+               kwargs_of: str | None = None, module: str | None = None) -> dict[str, type]:
+    """A schema per part of ``registry`` (a ``distill.utils.registry.Registry``): option name -> ``builds`` of the
+    part, named ``<Name><suffix>`` (``consistency`` -> ``ConsistencyMethodConfig``) and set on ``module`` (the caller's)
+    so that configs pickle. ``passed`` names the arguments the caller passes at run time, excluded where the part
+    takes them; a part that takes ``partial_if`` is a partial (a student made from the teacher's network).
+    ``kwargs_of`` is the default callable that a part's ``**kwargs`` goes to. The part's registration may give ``choices``
+    (argument -> its fixed values), ``kwargs_of`` and ``convert`` (``@STUDENTS.register("clip", kwargs_of=...)``)."""
+    module = module or sys._getframe(1).f_globals["__name__"]
+    schemas = {}
+    for name, part in registry.items():
+        meta = registry.meta(name)
+        schema_name = f"{_camel(name)}{suffix}"
+        takes = inspect.signature(part).parameters
+        choices = {key: choice(f"{schema_name.removesuffix('Config')}{_camel(key)}", values)
+                   for key, values in meta.get("choices", {}).items()}
+        variadic = any(p.kind == p.VAR_KEYWORD for p in takes.values())
+        source = meta.get("kwargs_of", kwargs_of if variadic else None)
+        schema = builds(schema_name, _path(part), exclude=[p for p in passed if p in takes], choices=choices,
+                        kwargs_of=_path(source) if source is not None else None, partial=partial_if in takes,
+                        convert=meta.get("convert"), module=module)
+        setattr(sys.modules[module], schema_name, schema)
+        schemas[name] = schema
+    return schemas
+
+
+def _path(obj: Any) -> str:
+    """The dotted path of a class or function (a string is one already)."""
+    return obj if isinstance(obj, str) else f"{obj.__module__}.{obj.__qualname__}"
+
+
 def plain_choices(cfg: DictConfig) -> DictConfig:
     """``cfg`` with every ``Choice`` as its plain string, in struct mode as before: what the objects, the
     loggers and the checkpoints (read back weights-only) receive. Interpolations are left unresolved."""

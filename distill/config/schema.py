@@ -10,31 +10,23 @@ is built (exit code 1); ``distill.config.validate`` then checks what a schema ca
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from distill.assets.autoencoder import RECON_LOSSES
-from distill.config.builds import builds, choice
-from distill.diffusion.consistency import CONSISTENCY_LOSSES
-from distill.diffusion.losses import WEIGHTINGS
-from distill.diffusion.parametrization import PREDICTION_TYPES
+from distill.accelerate.registry import ACCELERATORS
+from distill.config.builds import builds, choice, registered
 from distill.inference.schedulers import SCHEDULERS
-from distill.models.moe import SPLITS
-from distill.models.unet import UNET_SIZES
+from distill.methods import METHODS
+from distill.models.registry import STUDENTS
 
 # ---------------------------------------------------------------- fixed sets of choices
 
-PredictionType = choice("PredictionType", PREDICTION_TYPES)
-LossWeighting = choice("LossWeighting", WEIGHTINGS)
-ConsistencyLoss = choice("ConsistencyLoss", CONSISTENCY_LOSSES)
-ReconLoss = choice("ReconLoss", RECON_LOSSES)
 SchedulerName = choice("SchedulerName", SCHEDULERS)
-UNetSize = choice("UNetSize", UNET_SIZES)
-ExpertSplit = choice("ExpertSplit", SPLITS)
 MonitorMode = choice("MonitorMode", ("min", "max"))
-AcceleratorKind = choice("AcceleratorKind", ("none", "deepcache", "forecast", "classifier"))
+AcceleratorKind = choice("AcceleratorKind", ACCELERATORS.names())  # every registered accelerator (distill.accelerate)
 
 # ---------------------------------------------------------------- data
 
@@ -43,68 +35,23 @@ ImageFolderDataConfig = builds("ImageFolderDataConfig", "distill.data.ImageFolde
 WebDatasetDataConfig = builds("WebDatasetDataConfig", "distill.data.WebDatasetDataModule")
 
 # ---------------------------------------------------------------- method
-# The entry point passes what it builds first: the student, the teacher, the sampling scheduler's settings.
+# A schema per registered method (distill.methods.METHODS), ``method=<name>``. The entry point passes what it
+# builds first: the student, the teacher, the sampling scheduler's settings; a method's ``**speed`` goes to
+# DistillMethod (the training-speed switches every method takes).
 
-_BUILT = ("student", "sampling")
-_SPEED = "distill.methods.base.DistillMethod"  # the training-speed switches every method takes (**speed)
-DiffusionMethodConfig = builds(
-    "DiffusionMethodConfig", "distill.methods.diffusion.DiffusionTraining", exclude=_BUILT, kwargs_of=_SPEED,
-    choices={"prediction_type": PredictionType, "loss_weighting": LossWeighting})
-CLIPMethodConfig = builds("CLIPMethodConfig", "distill.assets.clip.CLIPTraining", exclude=_BUILT)
-ClassifierMethodConfig = builds("ClassifierMethodConfig", "distill.assets.classifier.ClassifierTraining",
-                                exclude=_BUILT)
-NoisyClassifierMethodConfig = builds("NoisyClassifierMethodConfig",
-                                     "distill.assets.noisy_classifier.NoisyClassifierTraining", exclude=_BUILT)
-VAEMethodConfig = builds("VAEMethodConfig", "distill.assets.autoencoder.VAETraining", exclude=_BUILT,
-                         choices={"recon_loss": ReconLoss})
-ConsistencyMethodConfig = builds(
-    "ConsistencyMethodConfig", "distill.methods.consistency.LatentConsistencyDistillation",
-    exclude=(*_BUILT, "teacher"), choices={"loss_type": ConsistencyLoss}, kwargs_of=_SPEED)
-ConsistencyTrainingMethodConfig = builds(
-    "ConsistencyTrainingMethodConfig", "distill.methods.consistency_training.ConsistencyTraining",
-    exclude=(*_BUILT, "teacher"), kwargs_of=_SPEED)
-ProgressiveMethodConfig = builds(
-    "ProgressiveMethodConfig", "distill.methods.progressive.ProgressiveDistillation", exclude=(*_BUILT, "teacher"),
-    kwargs_of=_SPEED,
-    choices={"student_prediction_type": PredictionType, "loss_weighting": LossWeighting})
-FeatureDistillationMethodConfig = builds(
-    "FeatureDistillationMethodConfig", "distill.methods.feature_distillation.FeatureDistillation",
-    exclude=(*_BUILT, "teacher"), kwargs_of=_SPEED)
+METHOD_SCHEMAS = registered(METHODS, "MethodConfig", passed=("student", "sampling", "teacher"),
+                            kwargs_of="distill.methods.base.DistillMethod")
 
 # ---------------------------------------------------------------- teacher
 
 TeacherConfig = builds("TeacherConfig", "distill.families.load_teacher")
 
 # ---------------------------------------------------------------- student
-# Students made from the teacher are partials: the method calls them on the teacher's UNet (and noise schedule).
+# A schema per registered student builder (distill.models.registry.STUDENTS), ``student=<name>``. A builder made
+# from the teacher is a partial: the method calls it on the teacher's UNet (and noise schedule, or the teacher).
 
-_FROM_TEACHER = ("teacher_unet", "noise_scheduler")
-CopyStudentConfig = builds("CopyStudentConfig", "distill.models.students.copy_student", exclude=_FROM_TEACHER[:1],
-                           partial=True)
-FreshStudentConfig = builds("FreshStudentConfig", "distill.models.students.fresh_student", exclude=_FROM_TEACHER[:1],
-                            partial=True)
-LoraStudentConfig = builds("LoraStudentConfig", "distill.models.students.lora_student", exclude=_FROM_TEACHER[:1],
-                           partial=True)
-TimestepMoEStudentConfig = builds("TimestepMoEStudentConfig", "distill.models.moe.timestep_moe_student",
-                                  exclude=_FROM_TEACHER, partial=True, choices={"split": ExpertSplit})
-TokenMoEStudentConfig = builds("TokenMoEStudentConfig", "distill.models.moe.token_moe_student",
-                               exclude=_FROM_TEACHER, partial=True)
-LowRankStudentConfig = builds("LowRankStudentConfig", "distill.compress.students.lowrank_student",
-                              exclude=_FROM_TEACHER[:1], partial=True)
-PretrainedStudentConfig = builds("PretrainedStudentConfig", "distill.compress.students.pretrained_student",
-                                 exclude=_FROM_TEACHER[:1], partial=True)
-PrunedStudentConfig = builds("PrunedStudentConfig", "distill.compress.students.pruned_student",
-                             exclude=(*_FROM_TEACHER[:1], "teacher"), partial=True)
-ClassUNetConfig = builds("ClassUNetConfig", "distill.models.unet.build_class_unet", choices={"size": UNetSize})
-TextUNetConfig = builds("TextUNetConfig", "distill.models.unet.build_text_unet", choices={"size": UNetSize})
-CLIPStudentConfig = builds("CLIPStudentConfig", "distill.models.clip.build_clip_model",
-                           kwargs_of="distill.models.clip.build_clip")
-DigitClassifierConfig = builds(  # plain lists: the hub mixin writes the init arguments to config.json
-    "DigitClassifierConfig", "distill.models.classifier.build_digit_classifier",
-    kwargs_of="distill.models.classifier.DigitClassifier", convert="all")
-VAEStudentConfig = builds("VAEStudentConfig", "distill.models.vae.build_vae")
-NoisyClassifierStudentConfig = builds("NoisyClassifierStudentConfig",
-                                      "distill.models.noisy_classifier.build_noisy_classifier", convert="all")
+STUDENT_SCHEMAS = registered(STUDENTS, "StudentConfig", passed=("teacher_unet", "noise_scheduler", "teacher"),
+                             partial_if="teacher_unet")
 
 # ---------------------------------------------------------------- sampling scheduler
 
@@ -173,8 +120,7 @@ class EvalConfig:
     clip: str | None = None  # CLIPModel folder or hub id (with its tokenizer) for the CLIP score; null: skip
     classifier: Any = None  # a classifier (TorchScript .pt or a factory) reading each sample's label; null: skip
     extra_features: list[str] = field(default_factory=list)  # more FID/KID spaces: pixels, clip (fid_pixels, ... columns)
-    metrics: list[str] = field(default_factory=lambda: ["fid", "kid", "clip_score", "prompt_accuracy", "fid_pixels",
-                                                        "kid_pixels", "fid_clip", "kid_clip"])
+    metrics: list[str] | None = None  # the metrics measured (distill.metrics.registry.METRICS); null: every registered one
     fid_bootstrap: int = 50  # resamples of the generated set for each FID's spread (fid_std)
     kid_subsets: int = 100  # KID: subsets averaged (kid_std is their spread)
     kid_subset_size: int = 1000  # KID: samples per subset (capped at half the smaller set)
@@ -319,21 +265,15 @@ class ServeConfig:
     insecure: bool = False  # serve a non-loopback host without api_key (refused unless set)
 
 
+CONF = Path(__file__).resolve().parents[1] / "conf"  # the package's option files
 SCHEMAS: dict[str, dict[str, type]] = {
     "callbacks": {"ema": EMACallbackConfig, "samples": SampleGridCallbackConfig, "quality_cost": QualityCostCallbackConfig,
                   "progress": ProgressBarCallbackConfig, "lr_monitor": LRMonitorCallbackConfig},
     "logger": {"csv": CSVLoggerConfig, "tensorboard": TensorBoardLoggerConfig, "wandb": WandbLoggerConfig},
     "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
-    "method": {"clip": CLIPMethodConfig, "diffusion": DiffusionMethodConfig, "classifier": ClassifierMethodConfig, "noisy_classifier": NoisyClassifierMethodConfig,
-               "vae": VAEMethodConfig, "consistency": ConsistencyMethodConfig,
-               "consistency_training": ConsistencyTrainingMethodConfig,
-               "progressive": ProgressiveMethodConfig, "feature_distillation": FeatureDistillationMethodConfig},
+    "method": METHOD_SCHEMAS,
     "teacher": {"teacher": TeacherConfig},
-    "student": {"copy": CopyStudentConfig, "fresh": FreshStudentConfig, "lora": LoraStudentConfig, "moe_timestep": TimestepMoEStudentConfig,
-                "moe_token": TokenMoEStudentConfig, "lowrank": LowRankStudentConfig,
-                "pruned": PrunedStudentConfig, "pretrained": PretrainedStudentConfig, "clip": CLIPStudentConfig, "text_unet": TextUNetConfig, "class_unet": ClassUNetConfig,
-                "digit_classifier": DigitClassifierConfig, "vae": VAEStudentConfig,
-                "noisy_classifier": NoisyClassifierStudentConfig},
+    "student": STUDENT_SCHEMAS,
     "scheduler": {"scheduler": SchedulerConfig},
     "accelerate": {"accelerate": AccelerateConfig},
     "eval": {"eval": EvalConfig},
@@ -354,3 +294,8 @@ def register_configs() -> None:
     for group, nodes in SCHEMAS.items():
         for name, node in nodes.items():
             cs.store(group=group, name=f"base_{name}", node=node)
+    # a registered method or student without an option file of its own (a plugin's) is an option as it is
+    for group, nodes in (("method", METHOD_SCHEMAS), ("student", STUDENT_SCHEMAS)):
+        for name, node in nodes.items():
+            if not (CONF / group / f"{name}.yaml").is_file():
+                cs.store(group=group, name=name, node=node)

@@ -1,13 +1,17 @@
 """Checks that a schema cannot express (ranges, cross-key rules, files), run before any object is built.
 
 Unknown keys, wrong types and values outside a fixed set of choices are Hydra's to reject, at composition
-(distill.config.schema); the errors here exit with code 2.
+(distill.config.schema); the errors here exit with code 2. The checks here are generic; the chosen method and
+student check their own settings (``check_config``: distill.methods, distill.models.registry), so that a method
+is never checked by the names of its keys.
 """
 
 from __future__ import annotations
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from distill.models.registry import STUDENTS
 
 
 class ConfigError(ValueError):
@@ -89,16 +93,6 @@ def _check_teacher(cfg: DictConfig) -> None:
         check_pipeline_folder(path)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from err
-    if "start_steps" in cfg.method:  # progressive distillation steps the teacher with DDIM
-        import json
-
-        sched = path / "scheduler" / "scheduler_config.json"
-        config = json.loads(sched.read_text()) if sched.is_file() else {}
-        if "beta_schedule" not in config and "trained_betas" not in config:
-            raise ConfigError(
-                f"teacher {str(path)!r} has scheduler {config.get('_class_name', 'unknown')!r} without a DDPM beta "
-                "schedule; progressive distillation needs a DDIM-compatible (alphas_cumprod) teacher"
-            )
     factor = vae_factor({"pretrained_model_name_or_path": str(path), "subfolder": "vae"})
     resolution = cfg.data.get("resolution")
     if factor and resolution and resolution % factor:
@@ -107,23 +101,38 @@ def _check_teacher(cfg: DictConfig) -> None:
         )
 
 
-def _check_consistency_sampling(cfg: DictConfig) -> None:
-    """The export samples with diffusers' LCMScheduler on the solver grid: its boundary scalings fix
-    sigma_data = 0.5, and its inference steps are a subset of the method.num_ddim_timesteps grid."""
-    method = cfg.method
-    if method.sigma_data != 0.5:
-        raise ConfigError(
-            f"method.sigma_data={method.sigma_data} cannot be exported: diffusers' LCMScheduler (and TCDScheduler) "
-            "fix sigma_data=0.5 in the boundary scalings c_skip, c_out; set method.sigma_data=0.5"
-        )
-    if method.num_ddim_timesteps < 1:
-        raise ConfigError(f"method.num_ddim_timesteps={method.num_ddim_timesteps} must be >= 1")
-    if cfg.scheduler.name in ("lcm", "tcd") and cfg.scheduler.num_inference_steps > method.num_ddim_timesteps:
-        raise ConfigError(
-            f"scheduler.num_inference_steps={cfg.scheduler.num_inference_steps} exceeds method.num_ddim_timesteps="
-            f"{method.num_ddim_timesteps}: the {cfg.scheduler.name} scheduler samples on that training grid; "
-            f"use at most {method.num_ddim_timesteps} steps"
-        )
+def _part(node, key: str):
+    """The class or function that ``node._target_`` names (None without one)."""
+    from hydra.utils import get_object
+
+    target = node.get("_target_") if isinstance(node, DictConfig) else None
+    if target is None:
+        return None
+    try:
+        return get_object(str(target))
+    except ImportError as err:
+        raise ConfigError(f"{key}._target_={target!r} cannot be imported: {err}") from err
+
+
+def _registration(registry, node) -> dict:
+    """What the part that ``node._target_`` names was registered with (``{}``: not a registered part)."""
+    part = _part(node, registry.kind)
+    name = registry.name_of(part) if part is not None else None
+    return registry.meta(name) if name else {}
+
+
+def _check_parts(cfg: DictConfig) -> None:
+    """The chosen method and student check their own settings, beyond their schemas: a method class's classmethod
+    ``check_config(cfg)`` (distill.methods), a student builder's registered ``check_config``
+    (distill.models.registry); their ValueError (or a missing file) is reported as a ConfigError."""
+    checks = (getattr(_part(cfg.method, "method"), "check_config", None),
+              _registration(STUDENTS, cfg.student).get("check_config"))
+    for check in checks:
+        try:
+            if check is not None:
+                check(cfg)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(str(err)) from err
 
 
 # Packages of the optional extras (pyproject.toml), by the _target_ that needs them.
@@ -259,9 +268,6 @@ def validate(cfg: DictConfig) -> None:
     missing = missing_keys(cfg)
     if missing:
         raise ConfigError(f"required value(s) missing: {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=...")
-    method = cfg.method
-    if "cond_dropout" in method and not 0.0 <= method.cond_dropout <= 1.0:
-        raise ConfigError(f"method.cond_dropout={method.cond_dropout} must be in [0, 1]")
     if cfg.scheduler.num_inference_steps < 1:
         raise ConfigError(f"scheduler.num_inference_steps={cfg.scheduler.num_inference_steps} must be >= 1")
     if cfg.scheduler.guidance_scale < 0:
@@ -282,45 +288,19 @@ def validate(cfg: DictConfig) -> None:
         _check_sizes(cfg)
     if cfg.teacher and "pretrained_model_name_or_path" in cfg.teacher:
         _check_teacher(cfg)
-    if str(cfg.student.get("_target_", "")).endswith(".pretrained_student"):
-        from distill.models.students import unet_folder
-
-        try:
-            unet_folder(cfg.student.path)
-        except FileNotFoundError as err:
-            raise ConfigError(str(err)) from err
     strategy = cfg.trainer.get("strategy")
     sharded = isinstance(strategy, DictConfig) and str(strategy.get("_target_", "")).endswith(".ShardedStrategy")
     xla = is_xla(cfg.trainer.get("accelerator"))
-    if xla and "moe" in str(cfg.student.get("_target_", "")):
+    routed = _registration(STUDENTS, cfg.student).get("routed", False)
+    if xla and routed:
         raise ConfigError(f"trainer=tpu with student {cfg.student._target_}: a mixture of experts routes samples to "
                           "experts with data-dependent shapes, which XLA recompiles for every batch; use a dense, copy "
                           "or LoRA student on XLA, or trainer=gpu/ddp for the mixture")
-    if sharded and "moe" in str(cfg.student.get("_target_", "")):
+    if sharded and routed:
         raise ConfigError(f"trainer=fsdp with student {cfg.student._target_}: each rank runs only the experts its own "
                           "samples or tokens are routed to, while FSDP needs every rank to gather and reduce every "
                           "block in the same order; use trainer=ddp for a mixture of experts")
-    if sharded and "start_steps" in method:
-        raise ConfigError("trainer=fsdp does not run progressive distillation: each round turns the student into "
-                          "the next teacher, which the sharded networks do not support; use trainer=ddp")
-    if "start_steps" in method:
-        from distill.diffusion.progressive import round_schedule
-
-        try:
-            round_schedule(method.start_steps, method.final_steps)
-        except ValueError as err:
-            raise ConfigError(f"method.start_steps / method.final_steps: {err}") from err
-    if "guidance_scale_min" in method and method.guidance_scale_min > method.guidance_scale_max:
-        raise ConfigError(
-            f"method.guidance_scale_min={method.guidance_scale_min} > method.guidance_scale_max={method.guidance_scale_max}; "
-            "the guidance range needs min <= max"
-        )
-    if "guidance_scale_min" in method and method.guidance_scale_min < 1.0:
-        raise ConfigError(f"method.guidance_scale_min={method.guidance_scale_min} must be >= 1 (1 = no guidance)")
-    if "num_ddim_timesteps" in method:
-        _check_consistency_sampling(cfg)
-    if "ema_decay" in method and not 0.0 <= method.ema_decay < 1.0:
-        raise ConfigError(f"method.ema_decay={method.ema_decay} must be in [0, 1) (0 = stop-gradient target)")
+    _check_parts(cfg)
     for group in ("callbacks", "logger"):
         for name, node in (cfg.get(group) or {}).items():
             if node is not None and "_target_" not in node:

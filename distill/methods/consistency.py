@@ -9,18 +9,22 @@ from torch import nn
 
 from distill.diffusion import cfg, ddim_step, guidance_condition
 from distill.diffusion.consistency import (
+    CONSISTENCY_LOSSES,
     boundary_scalings,
     check_consistency_loss,
     consistency_loss,
     consistency_output,
     ddim_timesteps,
 )
+from distill.methods import METHODS
+from distill.methods.checks import check_guidance_range
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
 from distill.models.teacher import Teacher
 from distill.utils.optim import ema_update_, step_applied
 
 
+@METHODS.register("consistency", choices={"loss_type": CONSISTENCY_LOSSES})
 class LatentConsistencyDistillation(TeacherStudentDistillation):
     """A student f(x_t, t, c, w) = c_skip x_t + c_out x0_student learns to map every point of the teacher's
     guided PF-ODE to the same x0: f_student(x_{t_n}) ~ f_target(x_{t_{n-k}}), where x_{t_{n-k}} is one
@@ -164,3 +168,25 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
     def export_info(self) -> dict:
         return {"guidance_scale_range": [self.guidance_scale_min, self.guidance_scale_max],
                 "num_ddim_timesteps": self.num_ddim_timesteps, "timestep_scaling": self.timestep_scaling}
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The guidance range, the target's EMA decay, and what the export's LCMScheduler fixes: sigma_data = 0.5 in
+        its boundary scalings, inference steps a subset of the ``num_ddim_timesteps`` grid."""
+        method = cfg.method
+        check_guidance_range(method)
+        if method.sigma_data != 0.5:
+            raise ValueError(
+                f"method.sigma_data={method.sigma_data} cannot be exported: diffusers' LCMScheduler (and TCDScheduler) "
+                "fix sigma_data=0.5 in the boundary scalings c_skip, c_out; set method.sigma_data=0.5"
+            )
+        if method.num_ddim_timesteps < 1:
+            raise ValueError(f"method.num_ddim_timesteps={method.num_ddim_timesteps} must be >= 1")
+        if cfg.scheduler.name in ("lcm", "tcd") and cfg.scheduler.num_inference_steps > method.num_ddim_timesteps:
+            raise ValueError(
+                f"scheduler.num_inference_steps={cfg.scheduler.num_inference_steps} exceeds method.num_ddim_timesteps="
+                f"{method.num_ddim_timesteps}: the {cfg.scheduler.name} scheduler samples on that training grid; "
+                f"use at most {method.num_ddim_timesteps} steps"
+            )
+        if not 0.0 <= method.ema_decay < 1.0:
+            raise ValueError(f"method.ema_decay={method.ema_decay} must be in [0, 1) (0 = stop-gradient target)")

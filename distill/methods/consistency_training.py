@@ -26,6 +26,7 @@ from distill.diffusion import consistency_training as ct
 from distill.diffusion import to_x0_eps
 from distill.diffusion.consistency import boundary_scalings, consistency_output, ict_huber_c
 from distill.diffusion.noise import stratified_unit
+from distill.methods import METHODS
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
 from distill.models.conditioning import take_conditions
@@ -34,6 +35,7 @@ from distill.models.teacher import Teacher
 VARIANTS = ("ict", "ect")
 
 
+@METHODS.register("consistency_training")
 class ConsistencyTraining(TeacherStudentDistillation):
     """f_theta(x_t) ~ stopgrad f_theta(x_r) for two noise levels r < t of one noisy trajectory (shared eps); the
     pairs, weights and distances are iCT's or ECT's (``variant``)."""

@@ -10,13 +10,18 @@ from torch import nn
 
 from distill.data.latents import batch_size_of
 from distill.diffusion import diffusion_loss, snr_weight
+from distill.diffusion.losses import WEIGHTINGS
 from distill.diffusion.noise import edm_timestep_probabilities
+from distill.diffusion.parametrization import PREDICTION_TYPES
 from distill.families import family_for
 from distill.families.sd import StableDiffusionFamily
 from distill.inference.schedulers import make_scheduler, scheduler_options
+from distill.methods import METHODS
 from distill.methods.base import DistillMethod, pipeline_images
+from distill.methods.checks import check_probability
 
 
+@METHODS.register("diffusion", choices={"prediction_type": PREDICTION_TYPES, "loss_weighting": WEIGHTINGS})
 class DiffusionTraining(DistillMethod):
     """Trains ``student`` (a diffusers UNet) to denoise x_t = alpha_t x0 + sigma_t eps.
 
@@ -172,3 +177,8 @@ class DiffusionTraining(DistillMethod):
         if not text:
             info.update(num_classes=self.conditioner.num_classes, null_class=self.conditioner.num_classes)
         return write_export_info(out_dir, info)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The condition-dropout rate is a probability."""
+        check_probability(cfg.method, "cond_dropout")

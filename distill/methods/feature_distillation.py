@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
+from distill.methods import METHODS
+from distill.methods.checks import check_probability
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
@@ -50,6 +52,7 @@ class _Recorder:
             h.remove()
 
 
+@METHODS.register("feature_distillation")
 class FeatureDistillation(TeacherStudentDistillation):
     method_name = "feature_distillation"
 
@@ -195,3 +198,8 @@ class FeatureDistillation(TeacherStudentDistillation):
         return {"prediction_type": self.schedule.prediction_type, "task_weight": self.task_weight,
                 "output_weight": self.output_weight, "feature_weight": self.feature_weight,
                 "cond_dropout": self.cond_dropout}
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The condition-dropout rate is a probability."""
+        check_probability(cfg.method, "cond_dropout")

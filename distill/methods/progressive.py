@@ -23,12 +23,17 @@ from torch import nn
 
 from distill.data.latents import batch_size_of
 from distill.diffusion import cfg, ddim_step, diffusion_loss, guidance_condition, snr_weight
+from distill.diffusion.losses import WEIGHTINGS
+from distill.diffusion.parametrization import PREDICTION_TYPES
 from distill.diffusion.progressive import progressive_x_target, round_schedule
 from distill.inference.schedulers import grid_timesteps
+from distill.methods import METHODS
+from distill.methods.checks import check_guidance_range, is_sharded
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
 
+@METHODS.register("progressive", choices={"student_prediction_type": PREDICTION_TYPES, "loss_weighting": WEIGHTINGS})
 class ProgressiveDistillation(TeacherStudentDistillation):
     method_name = "progressive"
 
@@ -232,3 +237,29 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         if self.w_conditioned:
             info["guidance_scale_range"] = [self.guidance_scale_min, self.guidance_scale_max]
         return info
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Not sharded (each round turns the student into the next teacher); a halving round schedule; the guidance
+        range; a local teacher with a DDPM beta schedule (the DDIM steps of the teacher read alphas_cumprod)."""
+        import json
+
+        method = cfg.method
+        if is_sharded(cfg):
+            raise ValueError("trainer=fsdp does not run progressive distillation: each round turns the student into "
+                             "the next teacher, which the sharded networks do not support; use trainer=ddp")
+        try:
+            round_schedule(method.start_steps, method.final_steps)
+        except ValueError as err:
+            raise ValueError(f"method.start_steps / method.final_steps: {err}") from err
+        check_guidance_range(method)
+        folder = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
+        teacher = Path(str(folder)) if folder is not None else None
+        if teacher is not None and teacher.is_dir():
+            sched = teacher / "scheduler" / "scheduler_config.json"
+            config = json.loads(sched.read_text()) if sched.is_file() else {}
+            if "beta_schedule" not in config and "trained_betas" not in config:
+                raise ValueError(
+                    f"teacher {str(teacher)!r} has scheduler {config.get('_class_name', 'unknown')!r} without a DDPM "
+                    "beta schedule; progressive distillation needs a DDIM-compatible (alphas_cumprod) teacher"
+                )

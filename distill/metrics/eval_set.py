@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from distill.metrics.feature_spaces import EXTRA_FEATURE_SPACES, PIXEL_GRID, PixelFeatures
 from distill.metrics.fid import DEFAULT_CACHE, FID, processor_normalization
+from distill.metrics.registry import METRICS
 
 log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -58,8 +59,7 @@ class EvalSet:
                  labels: Sequence[int] | None = None, data: Any = None, num_prompts: int | None = None,
                  reference: str | None = None, channels: int = 3, resolution: int = 32, feature: Any = None,
                  clip: str | None = None, classifier: Any = None, extra_features: Sequence[str] = (),
-                 metrics: Sequence[str] = ("fid", "kid", "clip_score", "prompt_accuracy", "fid_pixels", "kid_pixels",
-                                           "fid_clip", "kid_clip"),
+                 metrics: Sequence[str] | None = None,
                  fid_bootstrap: int = 50, kid_subsets: int = 100, kid_subset_size: int = 1000,
                  cache_dir: str | Path | None = DEFAULT_CACHE):
         self.name, self.data, self.num_prompts = name, data, num_prompts
@@ -68,7 +68,8 @@ class EvalSet:
         self.reference, self.channels, self.resolution = reference, channels, resolution
         self.feature, self.clip, self.classifier = feature, clip, classifier
         self.extra_features = list(extra_features)
-        self.metrics, self.fid_bootstrap = list(metrics), fid_bootstrap
+        self.metrics = list(metrics) if metrics is not None else METRICS.names()  # None: every registered metric
+        self.fid_bootstrap = fid_bootstrap
         self.kid_subsets, self.kid_subset_size, self.cache_dir = kid_subsets, kid_subset_size, cache_dir
         self._prompts: tuple[list[str], torch.Tensor | None] | None = None
         self._heldout: tuple[torch.Tensor, list[str], torch.Tensor] | None = None
@@ -84,8 +85,6 @@ class EvalSet:
     def check(self, needs_fid: bool = False) -> None:
         """Fail on a config that cannot work, naming the key and the fix, before anything is loaded;
         ``needs_fid``: the caller (the quality-cost sweep) measures FID, so a feature network is required."""
-        from distill.metrics.registry import METRICS
-
         unknown = [m for m in self.metrics if m not in METRICS]
         if unknown:
             raise ValueError(f"eval.metrics={self.metrics} holds unknown {unknown}; use some of {sorted(METRICS)}")

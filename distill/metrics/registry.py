@@ -19,6 +19,7 @@ import torch
 
 from distill.metrics.bootstrap import bootstrap_replicates
 from distill.metrics.fid import to_model_pixels
+from distill.utils.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +73,12 @@ class Metric:
         raise NotImplementedError
 
 
-METRICS: dict[str, type[Metric]] = {}
+METRICS = Registry("metric", ordered=True)  # the built-in metrics are this module's; the order is the column order
 
 
 def register_metric(cls: type[Metric]) -> type[Metric]:
-    """Class decorator: ``METRICS[cls.name] = cls`` (registration order is the column order)."""
-    if cls.name in METRICS and METRICS[cls.name] is not cls:
-        raise ValueError(f"metric {cls.name!r} is registered twice ({METRICS[cls.name].__qualname__}, {cls.__qualname__})")
-    METRICS[cls.name] = cls
-    return cls
+    """Class decorator: registers ``cls`` in ``METRICS`` under ``cls.name`` (registration order: column order)."""
+    return METRICS.register(cls.name)(cls)
 
 
 def standard_error(values: torch.Tensor) -> float:

@@ -16,6 +16,8 @@ from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from distill.models.registry import STUDENTS
+
 
 def _conv_block(c_in: int, c_out: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
@@ -115,6 +117,7 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
         return self.head(self.features(x))
 
 
+@STUDENTS.register("digit_classifier", kwargs_of=DigitClassifier, convert="all")  # plain lists: config.json
 def build_digit_classifier(gradient_checkpointing: bool = False, **sizes) -> DigitClassifier:
     """The ``student`` group's entry: a ``DigitClassifier``, with gradient checkpointing if asked (kept out of
     the init arguments, which the hub mixin writes to config.json)."""

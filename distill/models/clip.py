@@ -22,6 +22,7 @@ from tokenizers import pre_tokenizers
 from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
 
 from distill.data.digits import DIGIT_WORDS
+from distill.models.registry import STUDENTS
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 END_OF_WORD = "</w>"
@@ -175,6 +176,7 @@ def build_clip(
     return CLIPModel(config), tokenizer
 
 
+@STUDENTS.register("clip", kwargs_of=build_clip)
 def build_clip_model(gradient_checkpointing: bool = False, **sizes) -> CLIPModel:
     """The ``student`` group's entry: the network alone (the method builds the matching tokenizer).
 

@@ -36,6 +36,8 @@ from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 from torch import nn
 
+from distill.models.registry import STUDENTS
+
 SPLITS = ("equal_step", "equal_snr")
 NOISE_BINS = 4  # router statistics are also reported per quarter of the timestep range
 
@@ -205,6 +207,7 @@ class TimestepMoEUNet(ModelMixin, ConfigMixin):
         return _bin_load(self.last_load, self.last_timesteps, self.config.num_train_timesteps or 1000, prefix)
 
 
+@STUDENTS.register("moe_timestep", choices={"split": SPLITS}, routed=True)  # routed: neither XLA nor FSDP
 def timestep_moe_student(teacher_unet: UNet2DConditionModel, num_experts: int = 2, split: str = "equal_step",
                          boundaries: list[int] | None = None, shared_layers: list[str] | tuple = (),
                          time_cond_proj_dim: int | None = None, gradient_checkpointing: bool = False,
@@ -385,6 +388,7 @@ class TokenMoEUNet(ModelMixin, ConfigMixin):
         return stats
 
 
+@STUDENTS.register("moe_token", routed=True)
 def token_moe_student(teacher_unet: UNet2DConditionModel, num_experts: int = 4, top_k: int = 1,
                       capacity_factor: float | None = 1.25, eval_capacity_factor: float | None = None,
                       load_balance_weight: float = 0.01, z_loss_weight: float = 0.0, init_noise: float = 0.01,

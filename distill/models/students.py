@@ -12,6 +12,8 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
+from distill.models.registry import STUDENTS
+
 
 def make_student(student: nn.Module | Callable[..., nn.Module], teacher) -> nn.Module:
     """A ready module, or a builder called on the teacher's denoiser (and its noise schedule, or the whole teacher:
@@ -25,6 +27,7 @@ def make_student(student: nn.Module | Callable[..., nn.Module], teacher) -> nn.M
     return student(teacher.denoiser, **extra)
 
 
+@STUDENTS.register("copy")
 def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | None = None,
                  gradient_checkpointing: bool = False) -> UNet2DConditionModel:
     """The teacher's architecture and weights; with ``time_cond_proj_dim`` a guidance-scale embedding
@@ -43,6 +46,7 @@ def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | N
     return student.train().requires_grad_(True)
 
 
+@STUDENTS.register("fresh")
 def fresh_student(teacher_unet: UNet2DConditionModel, seed: int = 0, time_cond_proj_dim: int | None = None,
                   gradient_checkpointing: bool = False) -> UNet2DConditionModel:
     """The teacher's architecture, freshly initialised (diffusers' own initialisation, from ``seed``): what
@@ -59,6 +63,7 @@ def fresh_student(teacher_unet: UNet2DConditionModel, seed: int = 0, time_cond_p
     return student.train().requires_grad_(True)
 
 
+@STUDENTS.register("lora")
 def lora_student(teacher_unet: UNet2DConditionModel, rank: int = 8, alpha: float | None = None,
                  target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out",
                                                    "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "conv_shortcut",

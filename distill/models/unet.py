@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from diffusers import UNet2DConditionModel, UNet2DModel
 
+from distill.models.registry import STUDENTS
+
 # Widths per resolution level; one attention level in the middle. "debug" is the CI model.
 UNET_SIZES: dict[str, dict] = {
     "debug": {"block_out_channels": (16, 32), "layers_per_block": 1, "attention_head_dim": 8},
@@ -30,6 +32,7 @@ def _levels(spec: dict, sample_size: int, size: str) -> int:
     return levels
 
 
+@STUDENTS.register("class_unet", choices={"size": UNET_SIZES})
 def build_class_unet(
     sample_size: int, in_channels: int = 1, out_channels: int | None = None, size: str = "tiny", num_classes: int = 10,
     gradient_checkpointing: bool = False,
@@ -61,6 +64,7 @@ def build_class_unet(
     return unet
 
 
+@STUDENTS.register("text_unet", choices={"size": UNET_SIZES})
 def build_text_unet(
     sample_size: int, in_channels: int = 4, out_channels: int | None = None, size: str = "tiny", *,
     cross_attention_dim: int, gradient_checkpointing: bool = False,

@@ -12,7 +12,10 @@ from collections.abc import Iterable, Sequence
 import torch
 from diffusers import AutoencoderKL
 
+from distill.models.registry import STUDENTS
 
+
+@STUDENTS.register("vae")
 def build_vae(
     in_channels: int = 1,
     sample_size: int = 32,

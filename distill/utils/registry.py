@@ -3,12 +3,24 @@ registers itself where it is defined (``@FAMILIES.register("sd")``), so that add
 
 A registry maps a name to the object (a class or a function). It knows the modules of the built-in parts and
 imports them on the first lookup (``Registry.load``), so that a lookup never depends on import order; config
-choices are generated from ``names()``.
+choices are generated from ``names()``. ``register(name, **meta)`` keeps what the config needs to know of a part
+beyond its signature (``meta(name)``: e.g. the fixed choices of a string argument).
+
+Plugins: the environment variable ``DISTILL_PLUGINS`` names modules (comma-separated, as ``PYTEST_PLUGINS`` does
+for pytest) imported before the first lookup of any registry, so that a part registered in a file of one's own is
+selectable by name like a built-in one, with no edit of the package::
+
+    DISTILL_PLUGINS=tests.examples.toy_metric python -m distill.evaluate pipeline=... eval.metrics=[fid,toy]
+
+The commands read their config choices from the registries before Hydra composes the config, so a plugin must
+be named by the environment (not by an override); it is imported from ``sys.path`` (``python -m`` puts the
+working directory first).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,13 +29,15 @@ class Registry:
     """Named parts of one kind. ``register(name)`` is a decorator; ``get(name)`` returns the part, with an error
     naming the known names for an unknown one; ``modules`` are imported on the first lookup (the built-in parts)."""
 
-    def __init__(self, kind: str, modules: tuple[str, ...] = ()):
+    def __init__(self, kind: str, modules: tuple[str, ...] = (), *, ordered: bool = False):
         self.kind = kind
         self.modules = tuple(modules)
+        self.ordered = ordered  # names() in registration order (the metrics' column order) instead of sorted
         self._parts: dict[str, Any] = {}
+        self._meta: dict[str, dict[str, Any]] = {}
         self._loaded = False
 
-    def register(self, name: str, *, replace: bool = False) -> Callable[[Any], Any]:
+    def register(self, name: str, *, replace: bool = False, **meta: Any) -> Callable[[Any], Any]:
         if not name or not isinstance(name, str):
             raise ValueError(f"a {self.kind} needs a non-empty name; got {name!r}")
 
@@ -33,14 +47,21 @@ class Registry:
                 raise ValueError(f"{self.kind} {name!r} is already registered by {_qualname(old)}; pick another name "
                                  f"for {_qualname(part)} or pass replace=True")
             self._parts[name] = part
+            self._meta[name] = meta
             return part
 
         return add
 
+    def unregister(self, name: str) -> Any:
+        """Remove ``name`` (a test's temporary part) and return it."""
+        self._meta.pop(name, None)
+        return self._parts.pop(name)
+
     def load(self) -> Registry:
-        """Import the built-in modules once (each registers its parts)."""
+        """Import the plugins (``DISTILL_PLUGINS``) and the built-in modules once (each registers its parts)."""
         if not self._loaded:
             self._loaded = True
+            load_plugins()
             for module in self.modules:
                 importlib.import_module(module)
         return self
@@ -52,8 +73,21 @@ class Registry:
                            f"@{self.kind.upper()}S.register({name!r}) in the module that defines it")
         return self._parts[name]
 
+    def meta(self, name: str) -> dict[str, Any]:
+        """What ``register(name, **meta)`` was given besides the part."""
+        self.get(name)
+        return dict(self._meta[name])
+
+    def name_of(self, part: Any) -> str | None:
+        """The name ``part`` is registered under (None: not registered here)."""
+        return next((name for name, known in self.items() if known is part), None)
+
     def names(self) -> list[str]:
-        return sorted(self.load()._parts)
+        self.load()
+        return list(self._parts) if self.ordered else sorted(self._parts)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.get(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self.load()._parts
@@ -61,9 +95,36 @@ class Registry:
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
+    def __len__(self) -> int:
+        return len(self.load()._parts)
+
     def items(self) -> list[tuple[str, Any]]:
-        self.load()
-        return sorted(self._parts.items())
+        return [(name, self._parts[name]) for name in self.names()]
+
+
+PLUGINS_VARIABLE = "DISTILL_PLUGINS"
+_plugins_loaded: set[str] = set()
+
+
+def plugin_modules() -> list[str]:
+    """The module names ``DISTILL_PLUGINS`` holds (comma-separated; blanks ignored)."""
+    return [name.strip() for name in os.environ.get(PLUGINS_VARIABLE, "").split(",") if name.strip()]
+
+
+def load_plugins() -> list[str]:
+    """Import each module ``DISTILL_PLUGINS`` names (once per process); returns the names."""
+    names = plugin_modules()
+    for name in names:
+        if name in _plugins_loaded:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ImportError(f"{PLUGINS_VARIABLE}={os.environ[PLUGINS_VARIABLE]!r} names {name!r}, which cannot be "
+                              f"imported ({err}); give dotted module names importable from sys.path, e.g. "
+                              f"{PLUGINS_VARIABLE}=tests.examples.toy_metric from the repository root") from err
+        _plugins_loaded.add(name)
+    return names
 
 
 def _qualname(part: Any) -> str:

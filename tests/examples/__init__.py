@@ -1,0 +1,1 @@
+"""Test-only extensions, each one file: a method, an accelerator, a metric (issue 32)."""

@@ -1,0 +1,244 @@
+"""Registries (distill.utils.registry): every kind of part lists its built-in parts, the config's choices come from
+them, an unknown name is refused naming the registered ones, a part registered from one file of one's own
+(``DISTILL_PLUGINS``) is selectable from the command line, and a method is checked by its class, not by the names
+of its keys."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+METHODS_BUILT_IN = ["classifier", "clip", "consistency", "consistency_training", "diffusion", "feature_distillation",
+                    "noisy_classifier", "progressive", "vae"]
+STUDENTS_BUILT_IN = ["class_unet", "clip", "copy", "digit_classifier", "fresh", "lora", "lowrank", "moe_timestep",
+                     "moe_token", "noisy_classifier", "pretrained", "pruned", "text_unet", "vae"]
+ACCELERATORS_BUILT_IN = ["classifier", "deepcache", "forecast", "none"]
+METRICS_BUILT_IN = ["fid", "kid", "clip_score", "prompt_accuracy", "fid_pixels", "kid_pixels", "fid_clip", "kid_clip"]
+
+
+def run(args: list[str], plugins: str = "", **kwargs) -> subprocess.CompletedProcess:
+    """``python <args>`` from the repository root with ``DISTILL_PLUGINS=plugins``, as a user runs it."""
+    env = {**os.environ, "DISTILL_PLUGINS": plugins, **kwargs.pop("env", {})}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                          **kwargs)
+
+
+# ---------------------------------------------------------------- the registries and the choices made of them
+
+
+def test_every_registry_lists_its_built_in_parts():
+    from distill.accelerate import ClassifierGuidance, DeepCache
+    from distill.accelerate.registry import ACCELERATORS
+    from distill.methods import METHODS
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.metrics.registry import METRICS, FIDMetric
+    from distill.models.registry import STUDENTS
+    from distill.models.students import lora_student
+
+    assert set(METHODS_BUILT_IN) <= set(METHODS.names()) and METHODS["consistency"] is LatentConsistencyDistillation
+    assert set(STUDENTS_BUILT_IN) <= set(STUDENTS.names()) and STUDENTS["lora"] is lora_student
+    assert set(ACCELERATORS_BUILT_IN) <= set(ACCELERATORS.names())
+    assert (ACCELERATORS["deepcache"], ACCELERATORS["classifier"]) == (DeepCache, ClassifierGuidance)
+    assert METRICS.names()[:8] == METRICS_BUILT_IN and METRICS["fid"] is FIDMetric  # registration = column order
+    assert STUDENTS.meta("moe_timestep") == {"choices": {"split": ("equal_step", "equal_snr")}, "routed": True}
+
+
+def test_every_registry_lists_the_model_families():
+    base = pytest.importorskip("distill.families.base")
+    assert {"sd", "class_unet"} <= set(base.FAMILIES.names())
+
+
+def test_the_config_choices_are_the_registries():
+    from distill.accelerate.registry import ACCELERATORS
+    from distill.config.schema import SCHEMAS, AcceleratorKind, EvalConfig
+    from distill.methods import METHODS
+    from distill.models.registry import STUDENTS
+
+    # (a test module may register a part of its own after the schema was made: a subset, in the same order)
+    for choices, registry, built_in in [(list(SCHEMAS["method"]), METHODS, METHODS_BUILT_IN),
+                                        (list(SCHEMAS["student"]), STUDENTS, STUDENTS_BUILT_IN),
+                                        ([kind.value for kind in AcceleratorKind], ACCELERATORS, ACCELERATORS_BUILT_IN)]:
+        assert set(built_in) <= set(choices) <= set(registry.names()) and choices == sorted(choices)
+    assert EvalConfig.metrics is None  # every registered metric; no list of names in the config
+    for group in ("method", "student"):  # every option file starts from its registered part's schema
+        for path in sorted((ROOT / "distill" / "conf" / group).glob("*.yaml")):
+            bases = [line.strip(" -") for line in path.read_text().splitlines() if line.strip().startswith("- base_")]
+            assert len(bases) == 1 and bases[0].removeprefix("base_") in SCHEMAS[group], (path.name, bases)
+
+
+def test_the_schema_of_a_registered_part_is_its_signature_with_its_registered_choices():
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ValidationError
+
+    from distill.config.schema import SCHEMAS
+
+    lcm = OmegaConf.structured(SCHEMAS["method"]["consistency"])
+    assert lcm._target_ == "distill.methods.consistency.LatentConsistencyDistillation"
+    assert (lcm.num_ddim_timesteps, lcm.ema_decay, lcm.loss_type) == (50, 0.95, "pseudo_huber")
+    assert not {"teacher", "student", "sampling"} & set(lcm)  # passed by the entry point
+    with pytest.raises(ValidationError, match=r"expected one of \[l2, huber, pseudo_huber, pseudo_huber_elementwise\]"):
+        lcm.loss_type = "l1"
+    moe = OmegaConf.structured(SCHEMAS["student"]["moe_timestep"])
+    assert moe._partial_ and not {"teacher_unet", "noise_scheduler"} & set(moe)  # made from the teacher
+    assert not OmegaConf.structured(SCHEMAS["student"]["text_unet"]).get("_partial_", False)
+
+
+# ---------------------------------------------------------------- unknown names
+
+
+def test_an_unknown_name_is_refused_naming_the_registered_ones():
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    from distill.accelerate import make_accelerator
+    from distill.accelerate.registry import ACCELERATORS
+    from distill.config.schema import CONF, register_configs
+    from distill.methods import METHODS
+    from distill.metrics.eval_set import EvalSet
+
+    with pytest.raises(KeyError, match=r"unknown method 'lcm2'; registered: \['classifier', 'clip', 'consistency'"):
+        METHODS.get("lcm2")
+    with pytest.raises(ValueError, match=r"accelerate.kind='cache' is unknown; use one of \['classifier', 'deepcache'"):
+        make_accelerator("cache")
+    with pytest.raises(ValueError, match=r"eval.metrics=\['fid', 'fdd'\] holds unknown \['fdd'\]; use some of "
+                                         r"\['clip_score', 'fid', 'fid_clip'"):
+        EvalSet("toy", prompts=["a"], metrics=["fid", "fdd"])
+    # the command line: Hydra refuses a kind outside the registered ones at composition, naming them
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"), \
+            pytest.raises(ConfigCompositionException) as err:
+        compose(config_name="evaluate", overrides=["accelerate.kind=cache"])
+    kinds = ACCELERATORS.names()  # the built-in ones, and any a test module of this session registered
+    assert set(ACCELERATORS_BUILT_IN) <= set(kinds)
+    assert f"'cache', expected one of [{', '.join(kinds)}]" in str(err.value.__cause__)
+
+
+def test_a_plugin_that_cannot_be_imported_is_named(monkeypatch):
+    from distill.utils import registry
+
+    monkeypatch.setenv("DISTILL_PLUGINS", " ,tests.examples.no_such_part")
+    assert registry.plugin_modules() == ["tests.examples.no_such_part"]
+    with pytest.raises(ImportError, match=r"DISTILL_PLUGINS=.* names 'tests.examples.no_such_part', which cannot be "
+                                          r"imported \(No module named 'tests.examples.no_such_part'\)"):
+        registry.load_plugins()
+
+
+def test_a_name_is_registered_once():
+    from distill.utils.registry import Registry
+
+    parts = Registry("widget")
+    parts.register("a", colour="red")(int)
+    parts.register("a")(int)  # the same part again (a module imported twice) is no conflict
+    with pytest.raises(ValueError, match=r"widget 'a' is already registered by builtins.int; pick another name"):
+        parts.register("a")(float)
+    assert parts.names() == ["a"] and parts.name_of(int) == "a" and parts.name_of(float) is None
+    assert parts.unregister("a") is int and len(parts) == 0
+
+
+# ---------------------------------------------------------------- a metric from one file, on the command line
+
+
+@pytest.fixture
+def toy_metric():
+    """The plugin's metric class, imported in this process and unregistered after the test (other tests' tables
+    hold the built-in metrics only)."""
+    from distill.metrics.registry import METRICS
+    from tests.examples.toy_metric import ToyMetric
+
+    METRICS.register("toy")(ToyMetric)  # again, should an earlier test have removed it
+    yield ToyMetric
+    METRICS.unregister("toy")
+
+
+def test_the_toy_metric_is_the_mean_brightness(toy_metric):
+    from distill.metrics.registry import METRICS, Samples
+
+    class EvalSet:
+        fid_bootstrap = 20
+
+    images = torch.linspace(-1, 1, 20).view(20, 1, 1, 1).expand(20, 1, 8, 8)  # brightness 0, 1/19, ..., 1
+    assert METRICS["toy"] is toy_metric and METRICS.names()[-1] == "toy"  # a column after the built-in ones
+    estimate = toy_metric(EvalSet(), seed=0)(Samples(images, ["a"] * 20, None, torch.zeros(20, dtype=torch.long)))
+    assert estimate.value == pytest.approx(0.5, abs=1e-6)
+    assert estimate.std == pytest.approx(torch.linspace(0, 1, 20).double().std().item() / 20 ** 0.5)
+    assert len(estimate.replicates) == 20
+
+
+def test_a_metric_from_one_file_is_selectable_and_reaches_the_table(tmp_path):
+    """``DISTILL_PLUGINS=tests.examples.toy_metric python -m distill.evaluate ... eval.metrics=[fid,toy]``: the
+    plugin's column stands in the CSV, the table, the console line and the real-data floor."""
+    from distill.metrics.report import decode_replicates
+    from tests.sd_tiny import write_tiny_sd
+
+    pipe, out = write_tiny_sd(tmp_path / "pipe"), tmp_path / "eval"
+    proc = run(["-m", "distill.evaluate", f"pipeline={pipe}", "scheduler=ddim", "steps=[1]", "num_per_class=2",
+                "cost_repeats=1", "guidance_scale=1", "grids=false", "eval.metrics=[fid,toy]", f"hydra.run.dir={out}"],
+               plugins="tests.examples.toy_metric", env={"HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(csv.DictReader(open(out / "quality_cost.csv")))
+    assert 0 < float(row["toy"]) < 1 and 0 < float(row["toy_std"]) < 0.05 and row["kid"] == ""  # not selected
+    replicates = decode_replicates(row["toy_replicates"])
+    assert len(replicates) == 50 and abs(sum(replicates) / 50 - float(row["toy"])) < 3 * float(row["toy_std"])
+    table = (out / "table.md").read_text()
+    assert "| fid | toy |" in table and "bright(train, held-out) = " in table
+    assert "bright=" in proc.stdout + proc.stderr
+    assert json.loads((out / "protocol.json").read_text())["metrics"] == ["fid", "toy"]
+    without = run(["-m", "distill.evaluate", f"pipeline={pipe}", "eval.metrics=[fid,toy]", f"hydra.run.dir={out}2"],
+                  env={"HOME": str(tmp_path)})
+    assert without.returncode == 2 and "holds unknown ['toy']" in without.stderr
+
+
+# ---------------------------------------------------------------- a method is checked by its class
+
+
+def test_lcms_checks_stay_with_lcm(compose):
+    from distill.config.validate import ConfigError, validate
+
+    for override, needle in [("method.num_ddim_timesteps=0", "method.num_ddim_timesteps=0 must be >= 1"),
+                             ("method.ema_decay=1.5", r"method.ema_decay=1.5 must be in \[0, 1\)"),
+                             ("method.guidance_scale_min=1.5", None)]:
+        cfg = compose("+exp=consistency", override)
+        if needle is None:
+            validate(cfg)
+        else:
+            with pytest.raises(ConfigError, match=needle):
+                validate(cfg)
+
+
+COMPOSE_AND_VALIDATE = """
+import sys
+from hydra import compose, initialize_config_dir
+from distill.config.resolvers import register_resolvers
+from distill.config.schema import CONF, register_configs
+from distill.config.validate import ConfigError, validate
+register_configs()
+register_resolvers()
+with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    cfg = compose(config_name="train", overrides=sys.argv[1:])
+try:
+    validate(cfg)
+except ConfigError as err:
+    print("refused:", err)
+else:
+    print("valid:", cfg.method._target_, dict(cfg.method))
+"""
+
+
+def test_keys_named_like_lcms_on_another_method_get_its_own_checks_only():
+    """``key_twin`` (tests/examples/key_twin_method.py) has LCM's key names with values LCM refuses: it is valid; its
+    own check refuses what it refuses; the command line selects it by its registered name."""
+    twin = ["method=key_twin", "method.num_ddim_timesteps=0", "method.sigma_data=0.7"]
+    proc = run(["-c", COMPOSE_AND_VALIDATE, *twin], plugins="tests.examples.key_twin_method")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "valid: tests.examples.key_twin_method.KeyTwin" in proc.stdout and "'ema_decay': 1.5" in proc.stdout
+    proc = run(["-m", "distill.train", *twin, "method.ema_decay=0.5"], plugins="tests.examples.key_twin_method")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "method.ema_decay=0.5 is key_twin's growth factor: it must be >= 1" in proc.stderr
+    unknown = run(["-m", "distill.train", *twin])  # not loaded: no such option
+    assert unknown.returncode == 1 and "key_twin" in unknown.stderr
