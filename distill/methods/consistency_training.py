@@ -28,8 +28,8 @@ from distill.diffusion.consistency import boundary_scalings, consistency_output,
 from distill.diffusion.noise import stratified_unit
 from distill.methods import METHODS
 from distill.methods.distillation import TeacherStudentDistillation
-from distill.models.moe import no_routing_record
 from distill.models.conditioning import take_conditions
+from distill.models.moe import no_routing_record
 from distill.models.teacher import Teacher
 
 VARIANTS = ("ict", "ect")
