@@ -147,15 +147,15 @@ class _StepUNet(nn.Module):
 
 
 class _Sampler:
-    """Calls its unet once per step on a batch of one row per caption."""
+    """Calls its denoiser once per step on a batch of one row per caption (the samplers' ``.denoiser``)."""
 
     def __init__(self):
-        self.unet = _StepUNet()
+        self.denoiser = _StepUNet()
 
     def __call__(self, captions, labels, scheduler, steps, guidance_scale, generator):
         x = torch.zeros(len(captions), 1)
         for _ in range(steps):
-            x = self.unet(x)
+            x = self.denoiser(x)
         return x
 
 
