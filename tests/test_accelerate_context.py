@@ -163,7 +163,6 @@ def test_one_session_per_denoiser_and_callers_set_only_their_fields(pipe):
     assert SamplingContext().scheduler is None
 
 
-@pytest.mark.skip(reason="needs the DISTILL_PLUGINS loader of the registries change (issue 32 item 4), not landed yet")
 def test_the_toy_is_selectable_from_the_command_line(tmp_path):
     """``DISTILL_PLUGINS=tests.examples.toy_accelerator python -m distill.evaluate accelerate.kind=reuse``: the
     row is the toy's, and its NFE (CFG: 2 evaluations a computed call) is half of 4 steps' 8."""
