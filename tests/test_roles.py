@@ -60,6 +60,25 @@ def _callback(trainer, kind: str):
     return next(c for c in trainer.callbacks if type(c).__name__ == kind)
 
 
+def test_the_method_registered_from_one_file_trains_from_the_command_line(tmp_path):
+    """``DISTILL_PLUGINS=tests.examples.two_optimizer_method python -m distill.train method=two_optimizer
+    student=tiny_generator``: the example file registers the method and its student, and ``distill.train`` runs both
+    roles with their own optimizers: 5 steps at 2 critic updates a step are 5 student and 10 critic updates."""
+    adam = "{_target_:torch.optim.Adam,_partial_:true,lr:0.001}"
+    args = ["method=two_optimizer", "student=tiny_generator", "teacher=none", "data.resolution=8", f"data.batch_size={BATCH}",
+            "trainer.max_steps=5", f"method.optimizer={adam}", f"method.critic_optimizer={adam}",
+            "method.critic_updates_per_step=2", "export=false", "sample_grid_seeds=0", "logger=csv",
+            f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "DISTILL_PLUGINS": "tests.examples.two_optimizer_method", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "distill.train", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 5 and state["role_updates"] == {"student": 5, "critic": 10}
+    assert [float(o["state"][0]["step"]) for o in state["optimizer_states"]] == [5.0, 10.0]
+    assert any(k.startswith("critic.") for k in state["state_dict"])
+
+
 def test_a_critic_ratio_of_k_steps_the_critic_k_times_per_student_update_and_max_steps_counts_students(tmp_path):
     steps, k = 5, 3
     from lightning.pytorch.callbacks import LearningRateMonitor

@@ -11,7 +11,13 @@ alternates the updates. Built from a Hydra node as every method is (optimizers a
 
 and the student from ``{_target_: tests.examples.two_optimizer_method.tiny_generator}``. ``fit`` trains it through
 the real Trainer with the callbacks ``distill.train`` adds (EMA, checkpoints, RNG state, preemption, non-finite
-guard); as a script it is the process the resume test kills::
+guard). The file registers the method and its student, so that the command line selects them::
+
+    DISTILL_PLUGINS=tests.examples.two_optimizer_method python -m distill.train method=two_optimizer \\
+        student=tiny_generator teacher=none data.resolution=8 'method.optimizer={_target_:torch.optim.Adam,_partial_:true}' \\
+        'method.critic_optimizer={_target_:torch.optim.Adam,_partial_:true}'
+
+As a script it is the process the resume test kills::
 
     python -m tests.examples.two_optimizer_method RUN_DIR STEPS CRITIC_UPDATES [resume]
 """
@@ -26,17 +32,21 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
+from distill.methods import METHODS
 from distill.methods.base import DistillMethod
+from distill.models.registry import STUDENTS
 
 LATENT_DIM, RESOLUTION = 16, 8
 
 
+@STUDENTS.register("tiny_generator")
 def tiny_generator(latent_dim: int = LATENT_DIM, resolution: int = RESOLUTION, width: int = 64) -> nn.Module:
     """z (N, latent_dim) -> images (N, 1, R, R) in [-1, 1]."""
     return nn.Sequential(nn.Linear(latent_dim, width), nn.SiLU(), nn.Linear(width, resolution * resolution), nn.Tanh(),
                          nn.Unflatten(1, (1, resolution, resolution)))
 
 
+@METHODS.register("two_optimizer")
 class TwoOptimizerMethod(DistillMethod):
     """The student G and the critic D; ``nonfinite_critic_at_updates`` makes those critic updates' losses NaN
     (fault injection for the non-finite guard's test); ``sampling`` is what ``distill.train`` passes every method
