@@ -507,7 +507,9 @@ def run_reference(ref: dict, batch_size: int, steps: int, run_dir: Path) -> tupl
 
 # ---------------------------------------------------------------------------------------------- runner
 
-def run_distill(config: str, batch_size: int, steps: int, run_dir: Path, cache_dir: Path) -> list[float]:
+def run_distill(config: str, batch_size: int, steps: int, run_dir: Path, cache_dir: Path,
+                root: Path = ROOT) -> list[float]:
+    """One timed ``python -m distill.train`` of ``config``, with the distill of the checkout at ``root``."""
     overrides = ["+exp=consistency", f"data.batch_size={batch_size}", f"trainer.max_steps={steps}",
                  "callbacks.quality_cost=null", "callbacks.samples=null", "callbacks.progress=null", "logger=csv",
                  "export=false", "sample_grid_seeds=0", "trainer.limit_val_batches=0",
@@ -516,8 +518,8 @@ def run_distill(config: str, batch_size: int, steps: int, run_dir: Path, cache_d
                  *SWITCHES[config]]
     if config == "fused_adamw":
         overrides.append("trainer.gradient_clip_val=null")  # Lightning refuses clipping with a fused optimizer under AMP
-    proc = subprocess.run([sys.executable, "-m", "distill.train", *overrides], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run([sys.executable, "-m", "distill.train", *overrides], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": str(root)})
     if proc.returncode != 0:
         raise RuntimeError(f"{config} failed:\n{proc.stderr[-3000:]}")
     return json.loads((run_dir / "step_times.json").read_text())
@@ -558,11 +560,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="also write the raw measurements as JSON")
     parser.add_argument("--plain", action="store_true", help="run only the plain loop and print its step times")
+    parser.add_argument("--trees", nargs="+", default=None, metavar="NAME=PATH",
+                        help="time each configuration with the distill of each checkout (e.g. before=/tmp/old "
+                             "after=.), interleaved; rows are CONFIG@NAME")
     args = parser.parse_args()
     if args.plain:
         print(json.dumps(plain_loop(args.batch_sizes[0], args.steps)))
         return
     configs = args.configs or [*SWITCHES, *(["reference"] if args.reference_script else [])]
+    trees = {}
+    for spec in args.trees or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not (Path(path) / "distill" / "train.py").is_file():
+            parser.exit(2, f"{parser.prog}: error: --trees {spec!r}: give NAME=PATH with PATH a distill checkout "
+                           f"(PATH/distill/train.py must exist)\n")
+        trees[name] = Path(path).resolve()
+    if trees:
+        configs = [f"{c}@{t}" if c != "reference" else c for c in configs for t in trees]
     if "reference" in configs and args.reference_script is None:
         parser.exit(2, f"{parser.prog}: error: {REFERENCE_HOWTO}\n")
     if args.reference_script is not None and not args.reference_script.is_file():
@@ -590,7 +604,8 @@ def main() -> None:
                             print(f"reference at batch {batch_size}, run in {ref['folder']}: {shlex.join(command)}",
                                   file=sys.stderr, flush=True)
                     else:
-                        times = run_distill(name, batch_size, args.steps, run_dir, cache)
+                        config, _, tree = name.partition("@")
+                        times = run_distill(config, batch_size, args.steps, run_dir, cache, trees.get(tree, ROOT))
                     ips, warm = images_per_s(times, batch_size, args.warmup)
                     raw.setdefault(str(batch_size), {}).setdefault(name, []).append({"images_per_s": ips, "warmup_s": warm})
                     print(f"batch {batch_size} repeat {rep} {name}: {ips:.0f} images/s (first {args.warmup} steps "
