@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv install install-dev demo test test-all notebooks lint assets constraints clean
+.PHONY: venv install install-dev demo test test-slow test-all notebooks lint assets constraints clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test: install-dev
 # Every notebook top to bottom with small settings (nbclient), 1.5-4.5 min each; CI runs it after `make test`.
 notebooks: install-dev
 	$(PY) -m pytest -q -m notebooks tests/test_notebooks.py --durations=5
+
+# The slow tests alone (CI's third step): end-to-end SIGKILL resumes, FSDP = DDP, torchrun, submitit, the serving soak.
+test-slow: install-dev
+	$(PY) -m pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 test-all: install-dev
 	$(PY) -m pytest -q -m "" -n $(TEST_WORKERS) --dist loadfile --durations=20
