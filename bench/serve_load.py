@@ -494,6 +494,11 @@ def parse_pipelines(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _shown(text: str) -> str:
+    """``text`` as the results show it: paths inside the repository relative to it, no machine's own paths."""
+    return text.replace(f"{ROOT}{os.sep}", "")
+
+
 def code_version() -> dict:
     """The commit, and whether distill/serve differs from it (the numbers measure the working tree)."""
     import hashlib
@@ -584,13 +589,13 @@ def main(argv: list[str] | None = None) -> dict:
             for timeout_s in args.overload_timeout_s:
                 overloads.append(overload(name, path, c16, timeout_s, args, seeds, logdir))
     result = {
-        "command": "python bench/serve_load.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "command": _shown("python bench/serve_load.py " + shlex.join(sys.argv[1:] if argv is None else argv)),
         "date": time.strftime("%Y-%m-%d %H:%M"), "minutes": (time.time() - started) / 60,
         "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                     "memory_gb": psutil.virtual_memory().total / 2**30, "torch": torch.__version__,
                     "python": platform.python_version()},
         "code": code_version(),
-        "settings": {"pipelines": pipelines, "modes": args.modes, "concurrency": args.concurrency,
+        "settings": {"pipelines": {k: _shown(v) for k, v in pipelines.items()}, "modes": args.modes, "concurrency": args.concurrency,
                      "requests": args.requests or "max(24, 2C)", "rounds": args.rounds, "server_threads": args.threads,
                      "max_batch_size": args.max_batch_size, "max_wait_ms": args.max_wait_ms,
                      "queue_size": args.queue_size, "steps": args.steps, "warmup": args.warmup,
