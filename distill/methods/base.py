@@ -353,12 +353,12 @@ class DistillMethod(L.LightningModule):
 
     def latents(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         """The batch in the diffusion space: a draw from the cached VAE posterior (``latent_mean``/``latent_std``,
-        the same draw ``encode`` makes with the same generator), or ``encode`` of its images; ``paired`` (the rows
-        of a ``paired_batch`` share their posterior draw too)."""
+        the same draw ``encode`` makes with the same generator) scaled by the method's ``family``, or ``encode`` of its
+        images; ``paired`` (the rows of a ``paired_batch`` share their posterior draw too)."""
         if "latent_mean" in batch:
             mean, std = batch["latent_mean"], batch["latent_std"]
             noise = torch.randn(mean.shape, generator=generator).to(mean)
-            return self.paired((mean + std * noise) * self.vae.config.scaling_factor)
+            return self.paired(self.family.scale_latents(mean + std * noise))
         return self.paired(self.encode(batch["pixel_values"], generator))
 
     def encode(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
