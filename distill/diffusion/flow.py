@@ -44,15 +44,16 @@ def per_example(t: float | torch.Tensor, like: torch.Tensor) -> float | torch.Te
 
 
 def flow_add_noise(x0: torch.Tensor, eps: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
-    """x_t = (1 - t) x0 + t eps: the straight path of rectified flow (Liu et al. 2023, eq. 1; Esser et al. 2024,
-    eq. 3 with a_t = 1 - t, b_t = t), as diffusers' ``FlowMatchEulerDiscreteScheduler.scale_noise`` computes it."""
+    """x_t = (1 - t) x0 + t eps: the straight path of rectified flow (Liu et al. 2023; Esser et al. 2024, eq. 3
+    with a_t = 1 - t, b_t = t), as diffusers' ``FlowMatchEulerDiscreteScheduler.scale_noise`` computes it."""
     t = per_example(t, x0)
     return t * eps + (1.0 - t) * x0
 
 
 def flow_velocity(x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """The conditional velocity u_t = dx_t/dt = eps - x0 (Lipman et al. 2023, eq. 23 with sigma_min = 0; Esser et
-    al. 2024, eq. 5): the regression target of a flow-matching network (diffusers' ``noise - model_input``)."""
+    """The conditional velocity u_t = dx_t/dt = eps - x0 (Lipman et al. 2023, eq. 23: the OT path at sigma_min = 0,
+    their t running from noise to data): the regression target of a flow-matching network (diffusers' training
+    scripts' ``noise - model_input``)."""
     return eps - x0
 
 
@@ -114,8 +115,8 @@ def flow_to_velocity(prediction_type: str, pred: torch.Tensor, x_t: torch.Tensor
 
 def euler_step(v: torch.Tensor, x_t: torch.Tensor, t: float | torch.Tensor,
                t_next: float | torch.Tensor) -> torch.Tensor:
-    """One Euler step of the flow ODE dx/dt = v: x_{t_next} = x_t + (t_next - t) v (Lipman et al. 2023, sec. 6;
-    ``FlowMatchEulerDiscreteScheduler.step``, which upcasts x_t to float32 and returns v's dtype)."""
+    """One Euler step of the flow ODE dx/dt = v (Lipman et al. 2023, eq. 1): x_{t_next} = x_t + (t_next - t) v, as
+    ``FlowMatchEulerDiscreteScheduler.step`` computes it (x_t upcast to float32, the result in v's dtype)."""
     dt = per_example(t_next, x_t) - per_example(t, x_t)
     return (x_t.float() + dt * v).to(v.dtype)
 
