@@ -49,7 +49,7 @@ test-all: install-dev
 
 # Retrain every shipped digits asset (classifier, VAE, CLIP, teacher) and copy it into the package.
 assets: install
-	$(PY) -m distill.assets.build
+	$(PY) -m distill.worlds.digits.build
 
 # Pin what the venv holds now (local version tags such as +cpu dropped, so that a CUDA torch of the same
 # version satisfies the pin too).

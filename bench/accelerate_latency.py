@@ -69,7 +69,7 @@ def parse_variant(text: str) -> dict:
             raise ValueError(f"variant {text!r}: accelerator {kind!r} is not one of {sorted(ACCELERATORS)}")
         options = {k: parse_value(v) for k, v in (item.split("=", 1) for item in rest.split(",") if item)}
     if kind == "classifier":  # the guide the presets name: the shipped digits asset of the mode
-        from distill.assets import asset_path
+        from distill.worlds.digits import asset_path
 
         guide = {"noisy": "noisy_classifier", "x0": "classifier", "clip": "clip"}[options.get("mode", "noisy")]
         options.setdefault("classifier", str(asset_path(guide)))
@@ -100,11 +100,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     from distill.accelerate import accelerated, make_accelerator
-    from distill.assets import asset_path
     from distill.inference.loading import load_pipeline, pipeline_defaults
     from distill.inference.schedulers import make_scheduler, scheduler_options
     from distill.metrics.cost import NFECounter
     from distill.utils.flops import count_flops
+    from distill.worlds.digits import asset_path
 
     paths = {"teacher": args.teacher or str(asset_path("teacher")), "lcm": args.lcm}
     pipes = {k: load_pipeline(p) for k, p in paths.items() if p and any(v["pipeline"] == k for v in variants)}

@@ -404,7 +404,7 @@ def notes(variants: list[Variant], nfe_teacher: float) -> list[str]:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[Spec], dict[str, str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--teacher", default=str(ROOT / "distill/assets/digits/teacher"),
+    parser.add_argument("--teacher", default=str(ROOT / "distill/worlds/digits/weights/teacher"),
                         help="the pipeline folder whose UNet the variants are built from and which samples")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
                         help="base[+fusion...]: teacher, prunedNN, lowrankNN or an --export name, fusions "

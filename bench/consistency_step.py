@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from distill.assets import asset_path
-from distill.data import DigitsDataModule
 from distill.diffusion import ddim_step, guidance_condition
 from distill.families import load_teacher
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.models.students import copy_student
+from distill.worlds.digits import asset_path
+from distill.worlds.digits.data import DigitsDataModule
 
 
 def timed(fn, steps: int, repeats: int) -> float:

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from distill.assets import asset_path
 from distill.families import load_teacher
 from distill.models.students import copy_student
+from distill.worlds.digits import asset_path
 
 MIB = 2**20
 

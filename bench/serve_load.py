@@ -479,7 +479,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def parse_pipelines(items: list[str]) -> dict[str, str]:
     """``name=path``, or ``teacher`` alone for the shipped digits teacher."""
-    from distill.assets import asset_path
+    from distill.worlds.digits import asset_path
 
     out = {}
     for item in items:

@@ -129,9 +129,9 @@ def plain_loop(batch_size: int, steps: int, seed: int = 0) -> list[float]:
     """The minimal fp32 LCM loop; returns the wall time at its start and at the end of each step."""
     from diffusers import UNet2DConditionModel
 
-    from distill.assets import asset_path
-    from distill.data import DigitsDataModule
     from distill.families import load_teacher
+    from distill.worlds.digits import asset_path
+    from distill.worlds.digits.data import DigitsDataModule
 
     torch.manual_seed(seed)
     teacher = load_teacher(str(asset_path("teacher")))
@@ -309,7 +309,7 @@ def write_digit_shards(folder: Path, resolution: int = 32, channels: int = 1, pe
 
     from PIL import Image
 
-    from distill.data import DigitsDataModule
+    from distill.worlds.digits.data import DigitsDataModule
 
     dm = DigitsDataModule(resolution=resolution, channels=channels)
     dm.setup()

@@ -15,10 +15,10 @@ import time
 import torch
 from diffusers import DDPMScheduler
 
-from distill.data import DigitsDataModule
 from distill.methods.diffusion import DiffusionTraining
 from distill.models.conditioning import ClassConditioner
 from distill.models.unet import build_class_unet
+from distill.worlds.digits.data import DigitsDataModule
 
 
 def measure(size: str, batch_size: int, resolution: int, steps: int, repeats: int) -> tuple[float, int]:

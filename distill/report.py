@@ -64,7 +64,7 @@ class Run:
     config: dict = field(default_factory=dict)
     floor: dict | None = None
     label: str = ""
-    short: str = ""  # the label for a plot legend: last key component, numbers to 4 significant digits
+    short: str = ""  # the label for a plot legend: last key component, numbers to 4 significant figures
     distinct: dict = field(default_factory=dict)  # distinguishing override key (as typed) -> this run's value
     config_diff: dict = field(default_factory=dict)  # distinguishing resolved-config key -> this run's value
     folder: str = ""  # relative to the runs' common folder
@@ -220,7 +220,7 @@ def _parse_override(override: str) -> tuple[str, str, str]:
 
 
 def _short_value(value: str) -> str:
-    """A float written to 4 significant digits (``0.0003506575`` -> ``0.0003507``); anything else as it is."""
+    """A float written to 4 significant figures (``0.0003506575`` -> ``0.0003507``); anything else as it is."""
     try:
         number = float(value)
     except ValueError:

@@ -1,7 +1,7 @@
 """Generate a sample grid (rows = prompts, columns = seeds) from any Stable-Diffusion-format pipeline, or
 from a class-conditional export (rows = classes; prompts are class indices).
 
-    python -m distill.sample pipeline=distill/assets/digits/teacher out=grid.png
+    python -m distill.sample pipeline='${distill.asset:teacher}' out=grid.png    (the embedded default's teacher)
     python -m distill.sample pipeline=<dir or hub id> sampler=dpmsolver num_inference_steps=10
     python -m distill.sample pipeline=<dir> prompts='[a red circle,a blue square]'
 

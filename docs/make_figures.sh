@@ -9,7 +9,7 @@ cp $run/plots/pareto_step_0001000.png docs/consistency_pareto.png
 cp $run/samples/student-lcm-1_step_0001000.png docs/consistency_lcm1.png
 cp $run/samples/student-lcm-4_step_0001000.png docs/consistency_lcm4.png
 cp $run/samples/teacher-ddim-4.png docs/teacher_ddim4.png
-$PY -m distill.sample pipeline=distill/assets/digits/teacher out=docs/teacher_grid.png num_seeds=8
+$PY -m distill.sample pipeline=distill/worlds/digits/weights/teacher out=docs/teacher_grid.png num_seeds=8
 cp $run/quality_cost.csv docs/consistency_quality_cost.csv
 $PY -m distill.evaluate schedulers=[ddim,dpmsolver,euler] steps=[1,2,4,8,25,50] num_per_class=50 hydra.run.dir=outputs/evaluate_teacher
 cp outputs/evaluate_teacher/quality_cost.csv docs/teacher_quality_cost.csv

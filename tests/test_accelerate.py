@@ -28,9 +28,9 @@ from distill.accelerate.forecast import (
     real_steps,
     save_forecasters,
 )
-from distill.assets import asset_path
 from distill.metrics.cost import NFECounter
 from distill.utils.flops import count_flops
+from distill.worlds.digits import asset_path
 
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
 
@@ -568,9 +568,9 @@ def test_clip_guidance_steers_empty_prompts_towards_their_captions(pipe):
     """Guidance by the digits CLIP's score of the decoded x0 lifts the prompt accuracy of empty-prompt samples,
     judged by the digits classifier (a network the guide does not use)."""
     from distill.accelerate import ClassifierGuidance
-    from distill.models.classifier import DigitClassifier
+    from distill.models.classifier import ImageClassifier
 
-    judge = DigitClassifier.from_pretrained(asset_path("classifier")).eval()
+    judge = ImageClassifier.from_pretrained(asset_path("classifier")).eval()
     captions = [f"a handwritten digit {d}" for d in range(10)] * 2
     labels = torch.arange(10).repeat(2)
 

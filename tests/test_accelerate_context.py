@@ -21,9 +21,9 @@ from distill.accelerate import (
     context_of,
     make_accelerator,
 )
-from distill.assets import asset_path
 from distill.metrics.cost import NFECounter, measure_cost
 from distill.utils.flops import count_flops
+from distill.worlds.digits import asset_path
 from tests.examples.toy_accelerator import ReuseOutput
 
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]

@@ -7,12 +7,17 @@ import torch
 import torch.nn.functional as F
 from transformers import CLIPModel, CLIPTextModel, CLIPTokenizer
 
-from distill.assets import asset_path
-from distill.assets.clip import contrastive_loss, positive_pairs
-from distill.assets.digit_metrics import clip_zeroshot_accuracy
-from distill.data.digits import DIGIT_WORDS, caption_for, load_digit_images, split_indices
 from distill.metrics.clip_score import clip_score
-from distill.models.clip import CAPTION_TEMPLATES, build_tokenizer, caption_words, fill_template
+from distill.worlds.digits import asset_path
+from distill.worlds.digits.clip import (
+    CAPTION_TEMPLATES,
+    build_tokenizer,
+    caption_words,
+    fill_template,
+)
+from distill.worlds.digits.data import DIGIT_WORDS, caption_for, load_digit_images, split_indices
+from distill.worlds.digits.metrics import clip_zeroshot_accuracy
+from distill.worlds.digits.trainers.clip import contrastive_loss, positive_pairs
 from tests.conftest import run_train
 
 

@@ -3,11 +3,11 @@
 import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-from distill.assets import asset_path
-from distill.assets.digit_metrics import prompted_digit_accuracy
-from distill.data.digits import caption_for
-from distill.models.classifier import DigitClassifier
+from distill.models.classifier import ImageClassifier
 from distill.models.students import copy_student
+from distill.worlds.digits import asset_path
+from distill.worlds.digits.data import caption_for
+from distill.worlds.digits.metrics import prompted_digit_accuracy
 
 
 def test_shipped_teacher_generates_the_prompted_digits():
@@ -19,7 +19,7 @@ def test_shipped_teacher_generates_the_prompted_digits():
     images = pipe([caption_for(int(i)) for i in labels], num_inference_steps=10, guidance_scale=3.0, height=32,
                   width=32, generator=torch.Generator().manual_seed(0), output_type="pt").images
     assert images.shape == (20, 1, 32, 32)
-    classifier = DigitClassifier.from_pretrained(asset_path("classifier")).eval()
+    classifier = ImageClassifier.from_pretrained(asset_path("classifier")).eval()
     assert prompted_digit_accuracy(images * 2 - 1, labels, classifier) >= 0.9
 
 

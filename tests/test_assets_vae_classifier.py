@@ -6,16 +6,16 @@ import pytest
 import torch
 from diffusers import AutoencoderKL
 
-from distill.assets import asset_path
-from distill.assets.classifier import random_affine
-from distill.assets.evaluate_assets import classifier_accuracy, heldout_digits, reconstruct
-from distill.models.classifier import DigitClassifier
+from distill.models.classifier import ImageClassifier
 from distill.models.vae import (
     build_vae,
     encode_latents,
     latent_scaling_factor,
     measure_scaling_factor,
 )
+from distill.worlds.digits import asset_path
+from distill.worlds.digits.evaluate_assets import classifier_accuracy, heldout_digits, reconstruct
+from distill.worlds.digits.trainers.classifier import random_affine
 from tests.conftest import run_train
 
 SHORT = ("callbacks.progress=null", "trainer.enable_model_summary=false", "trainer.log_every_n_steps=1",
@@ -36,7 +36,7 @@ def test_classifier_short_training_exports_a_loadable_classifier(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = _val_losses(run_dir)
     assert len(losses) == 3 and losses[-1] < losses[0], losses
-    classifier = DigitClassifier.from_pretrained(run_dir / "export")
+    classifier = ImageClassifier.from_pretrained(run_dir / "export")
     assert not classifier.training
     x = torch.rand(3, 1, 16, 16) * 2 - 1  # another resolution is resized to the training one inside
     assert classifier(x).shape == (3, 10) and classifier.features(x).shape == (3, 128)
@@ -65,7 +65,7 @@ def heldout():
 
 @pytest.fixture(scope="module")
 def shipped_classifier():
-    return DigitClassifier.from_pretrained(asset_path("classifier"))
+    return ImageClassifier.from_pretrained(asset_path("classifier"))
 
 
 def test_shipped_classifier_accuracy(shipped_classifier, heldout):

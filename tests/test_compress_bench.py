@@ -33,9 +33,9 @@ def test_bad_variant_names_exit_2_naming_them(name, message, capsys):
 
 
 def test_tiny_run_measures_every_variant_and_fusions_match_their_base(tmp_path, capsys):
-    from distill.assets import asset_path
     from distill.compress.lowrank import lowrank_unet
     from distill.inference.loading import load_pipeline
+    from distill.worlds.digits import asset_path
 
     export = load_pipeline(str(asset_path("teacher")))  # a stand-in for a trained low-rank student's export
     export.unet, _ = lowrank_unet(export.unet, budget=0.5)
@@ -80,9 +80,9 @@ def test_speed_ups_are_reported_as_median_of_ratios_and_ratio_of_medians():
 def test_pruned_variant_is_the_network_the_compress_experiment_trains():
     """prunedNN counts FLOPs at the tokenizer's text length as student=pruned does: at 77 tokens (torch's
     SD default) the stop point moved and pruned50 was another network (0.801M parameters against 0.822M)."""
-    from distill.assets import asset_path
     from distill.compress.students import pruned_student
     from distill.inference.loading import load_pipeline
+    from distill.worlds.digits import asset_path
 
     pipe = load_pipeline(str(asset_path("teacher")))
     trained = pruned_student(pipe.unet, 0.5, teacher=pipe)  # conf/student/pruned.yaml's defaults

@@ -5,10 +5,10 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
-from distill.assets import asset_path
 from distill.compress.fusion import find_conv_bn_relu_chains, fuse_conv_bn, fuse_unet
 from distill.compress.lowrank import lowrank_unet
-from distill.models.classifier import DigitClassifier
+from distill.models.classifier import ImageClassifier
+from distill.worlds.digits import asset_path
 from tests import test_compress_lowrank
 
 teacher_unet, unet_inputs = test_compress_lowrank.teacher_unet, test_compress_lowrank.unet_inputs  # fixtures
@@ -33,7 +33,7 @@ def _randomise_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
 
 def test_fused_classifier_equals_the_unfused_one():
     torch.manual_seed(0)
-    model = _randomise_batchnorm(DigitClassifier()).eval()
+    model = _randomise_batchnorm(ImageClassifier()).eval()
     fused, applied = fuse_conv_bn(model)
     # channels (32, 64, 64): one Conv-BN-ReLU block in the first stage, two in each later one
     assert len(applied) == 5 and all(line.endswith("-> ConvReLU2d") for line in applied)
@@ -89,7 +89,7 @@ def test_named_chains_outside_sequentials_are_fused():
 
 
 def test_fusing_in_training_mode_raises():
-    model = DigitClassifier().train()
+    model = ImageClassifier().train()
     with pytest.raises(RuntimeError, match=r"training mode.*call model\.eval\(\) first"):
         fuse_conv_bn(model)
 

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from diffusers import DiffusionPipeline, StableDiffusionPipeline, UNet2DConditionModel
 from torch import nn
 
-from distill.assets import asset_path
 from distill.compress.lowrank import (
     UNET_KEEP_DENSE,
     LowRankConv2d,
@@ -20,6 +19,7 @@ from distill.compress.lowrank import (
     lowrank_unet,
     weight_matrix,
 )
+from distill.worlds.digits import asset_path
 
 PROMPT = "a handwritten digit seven"
 

@@ -16,7 +16,6 @@ from diffusers import (
 from diffusers.models.attention_processor import Attention
 from torch import nn
 
-from distill.assets import asset_path
 from distill.compress.prune import (
     PrunedUNet2DConditionModel,
     accumulate_taylor_gradients,
@@ -25,6 +24,7 @@ from distill.compress.prune import (
     unet_example_inputs,
 )
 from distill.utils.flops import count_flops
+from distill.worlds.digits import asset_path
 
 PROMPT = "a handwritten digit seven"
 BLOCKS = ("down_blocks.0", "down_blocks.1", "down_blocks.2", "mid_block", "up_blocks.0", "up_blocks.1", "up_blocks.2")

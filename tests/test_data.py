@@ -6,13 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
-from distill.data import (
-    DIGIT_WORDS,
-    DigitsDataModule,
-    ImageFolderDataModule,
-    WebDatasetDataModule,
-    caption_for,
-)
+from distill.data import ImageFolderDataModule, WebDatasetDataModule
+from distill.worlds.digits.data import DIGIT_WORDS, DigitsDataModule, caption_for
 
 
 def test_digits_split_shapes_and_range():

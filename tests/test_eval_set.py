@@ -56,7 +56,7 @@ BEFORE = {
 
 def digits_samples(labels: torch.Tensor) -> dict[str, torch.Tensor]:
     """The first five training digits of each class in the evaluator's interleaved order, plus seeded noise."""
-    from distill.data import DigitsDataModule
+    from distill.worlds.digits.data import DigitsDataModule
 
     dm = DigitsDataModule(resolution=32)
     dm.setup()

@@ -9,7 +9,6 @@ import torch
 from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
 
-from distill.assets import asset_path
 from distill.families import FAMILIES, family_for, load_teacher
 from distill.families.base import denoiser_of, detect_family, family_of, native_size
 from distill.families.class_unet import ClassUNetFamily
@@ -17,6 +16,7 @@ from distill.families.sd import StableDiffusionFamily
 from distill.models.conditioning import ClassConditioner, TextConditioner
 from distill.models.teacher import pipeline_configs
 from distill.models.unet import build_class_unet
+from distill.worlds.digits import asset_path
 from tests.sd_tiny import write_tiny_sd
 from tests.test_teacher_checks import SDXL_INDEX, SDXL_UNET, configs_only, flow_matching
 

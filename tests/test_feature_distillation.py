@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 
-from distill.assets import asset_path
 from distill.diffusion import add_noise, alpha_sigma
 from distill.families import load_teacher
 from distill.methods.feature_distillation import FeatureDistillation
 from distill.models.students import copy_student
+from distill.worlds.digits import asset_path
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,12 @@ it builds that way, at any layer.
 Where the order differs from the one sketched in issue 32, it follows what the packages hold today:
 - ``config`` sits right below the commands, not at the bottom: only commands read the config, and the schema
   and checks still take their choice lists and model checks from the modules that define them (diffusion,
-  models, inference, assets) until those register themselves.
-- ``assets`` (the digits world) sits above ``methods``: its asset trainers are methods.
+  models, inference, worlds) until those register themselves.
+- ``worlds`` (``distill.worlds``: each embedded world's data, evaluation presets, shipped networks and the trainers
+  that build them) sits above ``methods``, not at the bottom: a world's asset trainers are methods, and its data
+  module, CLIP builder and students build on ``data``, ``models`` and the registries. Nothing generic imports a
+  world: the config reaches it through ``_target_`` strings and ``${distill.asset:NAME}`` (the resolver and the
+  schema in ``config``, above it, ask ``distill.worlds``), and the registries import the modules it lists by name.
 - ``metrics.cost``, ``metrics.quality_cost``, ``metrics.report`` and ``metrics.sanity`` are the evaluation
   layer (the quality-cost sweep, its cost meter, its tables and plots, and the metric checks drawn with them);
   the metrics themselves (FID, KID, CLIP score, their registry) sit with ``models``.
@@ -32,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "distill.report", "distill.serve"),
     ("distill.config",),
     ("distill.callbacks",),
-    ("distill.assets",),
+    ("distill.worlds",),
     ("distill.methods",),
     # evaluation: the quality-cost sweep, its cost meter and its report
     ("distill.metrics.quality_cost", "distill.metrics.cost", "distill.metrics.report", "distill.metrics.sanity"),

@@ -6,7 +6,6 @@ import scipy.linalg
 import torch
 from torch import nn
 
-from distill.data import DigitsDataModule
 from distill.metrics.cost import NFECounter, measure_cost
 from distill.metrics.fid import FID, FeatureNet, frechet_distance, gaussian_statistics
 from distill.metrics.registry import proportion_standard_error, standard_error
@@ -18,6 +17,7 @@ from distill.metrics.report import (
     write_csv,
 )
 from distill.utils.flops import count_flops
+from distill.worlds.digits.data import DigitsDataModule
 
 
 class RandomFeatures(nn.Module):

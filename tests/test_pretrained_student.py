@@ -8,10 +8,10 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, StableDiffusionPipeline, UNet2DConditionModel
 
-from distill.assets import asset_path
 from distill.compress.lowrank import LowRankUNet2DConditionModel, lowrank_unet
 from distill.compress.prune import PrunedUNet2DConditionModel, prune_unet, unet_example_inputs
 from distill.compress.students import pretrained_student
+from distill.worlds.digits import asset_path
 
 
 @pytest.fixture(scope="module")

@@ -198,14 +198,14 @@ def test_fid_bootstrap_strata_are_labels_else_prompt_ids():
     from distill.metrics.eval_set import draw_like
     from distill.metrics.fid import PenultimateFeatures
     from distill.metrics.quality_cost import prompt_strata
-    from distill.models.classifier import DigitClassifier
+    from distill.models.classifier import ImageClassifier
 
     assert prompt_strata(["a", "b"], torch.tensor([7, 3])).tolist() == [7, 3]
     assert prompt_strata(["a", "b", "a", "c"], None).tolist() == [0, 1, 0, 2]
     labels = torch.tensor([0, 1, 1, 2, 1, 0, 2, 2])
     idx = draw_like(labels, torch.tensor([2, 1, 1, 0]), torch.Generator().manual_seed(0))
     assert sorted(labels[idx].tolist()) == [0, 1, 1, 2] and len(set(idx.tolist())) == 4
-    assert isinstance(DigitClassifier(), PenultimateFeatures)  # the shipped classifier is measured by .features
+    assert isinstance(ImageClassifier(), PenultimateFeatures)  # the shipped classifier is measured by .features
 
 
 @pytest.mark.slow  # ~30 s; the fusion's exactness is tested per layer in test_compress_fusion

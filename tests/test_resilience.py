@@ -554,7 +554,8 @@ def test_a_fresh_start_never_overwrites_the_checkpoints_of_a_run_directory(tmp_p
 def test_evaluation_loaders_leave_the_global_rng_alone(tmp_path):
     """A pass over a DataLoader without a generator of its own draws its base seed from the global torch RNG; a
     validation pass right after a checkpoint would then move the RNG past the state the checkpoint holds."""
-    from distill.data import DigitsDataModule, ImageFolderDataModule, WebDatasetDataModule
+    from distill.data import ImageFolderDataModule, WebDatasetDataModule
+    from distill.worlds.digits.data import DigitsDataModule
     from tests.test_data import _png_bytes, _write_shard
 
     for i in range(4):

@@ -21,8 +21,8 @@ import pytest
 import torch
 from PIL import Image
 
-from distill.assets import asset_path
 from distill.serve.engine import DeadlineExceeded, Engine, Job, JobQueue, QueueFull
+from distill.worlds.digits import asset_path
 from tests.conftest import ROOT
 
 PROMPTS = [f"a handwritten digit {d}" for d in range(10)]

@@ -157,7 +157,7 @@ def page(server, browser):
     the page was answered."""
     import httpx
 
-    from distill.assets import asset_path
+    from distill.worlds.digits import asset_path
 
     url = server.ready()
     browser.get(url + "/")

@@ -225,8 +225,8 @@ def test_sigterm_past_the_drain_timeout_answers_503_json_and_exits_0(tmp_path):
 
 @pytest.fixture(scope="module")
 def pipe():
-    from distill.assets import asset_path
     from distill.inference.loading import load_pipeline
+    from distill.worlds.digits import asset_path
 
     return load_pipeline(str(asset_path("teacher")))
 

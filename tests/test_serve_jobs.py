@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distill.assets import asset_path
 from distill.serve.engine import Job
+from distill.worlds.digits import asset_path
 
 STEPS = 12
 PROMPT = "a handwritten digit three"

@@ -5,8 +5,8 @@ import copy
 import torch
 from diffusers import UNet2DConditionModel
 
-from distill.assets import asset_path
 from distill.models.students import lora_student
+from distill.worlds.digits import asset_path
 
 # The target list of diffusers' examples/consistency_distillation/train_lcm_distill_lora_sd_wds.py.
 REFERENCE_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",

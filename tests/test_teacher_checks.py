@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from distill.assets import asset_path
+from distill.worlds.digits import asset_path
 from tests.conftest import ROOT, run_train
 
 TEACHER = Path(asset_path("teacher"))

@@ -10,8 +10,6 @@ import pytest
 import torch
 from PIL import Image
 
-from distill.assets import asset_path
-from distill.data import DigitsDataModule
 from distill.data.imagefolder import ImageFolderDataModule
 from distill.data.latents import CachedLatentDataset, cache_folder, cached_latents
 from distill.families import load_teacher
@@ -19,6 +17,8 @@ from distill.methods import base as method_base
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.models.students import copy_student
 from distill.utils.checkpoint import safe_load
+from distill.worlds.digits import asset_path
+from distill.worlds.digits.data import DigitsDataModule
 from tests.conftest import run_train
 from tests.test_resilience import LCM, _assert_same_state
 

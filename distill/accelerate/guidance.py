@@ -33,11 +33,11 @@ from distill.accelerate.base import Accelerator, like_output, output_tensor
 from distill.accelerate.registry import ACCELERATORS
 
 MODES = ("noisy", "x0", "clip")
-GUIDE_KINDS = {"noisy": "NoisyLatentClassifier", "x0": "DigitClassifier", "clip": "CLIP model"}
+GUIDE_KINDS = {"noisy": "NoisyLatentClassifier", "x0": "ImageClassifier", "clip": "CLIP model"}
 
 
 def load_guide(mode: str, path: str):
-    """The guide of ``mode`` from ``path``, in eval mode: a ``NoisyLatentClassifier``, a ``DigitClassifier``, or a
+    """The guide of ``mode`` from ``path``, in eval mode: a ``NoisyLatentClassifier``, a ``ImageClassifier``, or a
     (CLIPModel, CLIPTokenizer) pair."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
@@ -49,9 +49,9 @@ def load_guide(mode: str, path: str):
 
         model = NoisyLatentClassifier.from_pretrained(folder)
     elif mode == "x0":
-        from distill.models.classifier import DigitClassifier
+        from distill.models.classifier import ImageClassifier
 
-        model = DigitClassifier.from_pretrained(folder)
+        model = ImageClassifier.from_pretrained(folder)
     else:
         from transformers import CLIPModel, CLIPTokenizer
 

@@ -8,7 +8,7 @@ and the Conv+ReLU pairing are ``torch.ao.quantization.fuse_modules``'s (which ca
 ``torch.nn.utils.fusion.fuse_conv_bn_eval``); this module finds the chains and refuses training mode, where
 BatchNorm normalises with batch statistics and folding would change the network. ``torch.fx``'s
 ``optimization.fuse`` is not used: it needs a symbolically traceable forward, which input checks such as the
-digit classifier's resize defeat.
+image classifier's resize defeat.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Config schemas generated from the constructors they build, so that every default lives in one place.
 
-``builds("DigitsDataConfig", "distill.data.DigitsDataModule")`` is a dataclass whose fields are the
+``builds("ImageFolderDataConfig", "distill.data.ImageFolderDataModule")`` is a dataclass whose fields are the
 constructor's parameters with their defaults (``???`` where the parameter has none) and their types, narrowed to
 what OmegaConf can hold (``Any`` for objects such as an optimizer or a teacher). A fixed set of strings becomes a
 ``Choice`` (a ``StrEnum``), so that Hydra itself rejects any other value, naming the key and the allowed values;

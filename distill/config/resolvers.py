@@ -12,13 +12,13 @@ from distill.utils.loggers import wandb_offline
 
 
 def _asset(name: str) -> str:
-    from distill.assets import asset_path
+    from distill.worlds import asset_path
 
     return str(asset_path(name))
 
 
 def register_resolvers() -> None:
-    """``${distill.wandb_offline:}`` and ``${distill.asset:NAME}`` (path of a shipped digits asset)."""
+    """``${distill.wandb_offline:}`` and ``${distill.asset:NAME}`` (the folder of an asset a world ships, ``distill.worlds``)."""
     if not OmegaConf.has_resolver("distill.wandb_offline"):
         OmegaConf.register_new_resolver("distill.wandb_offline", lambda: wandb_offline())
     if not OmegaConf.has_resolver("distill.asset"):

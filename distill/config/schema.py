@@ -21,6 +21,7 @@ from distill.config.builds import builds, choice, registered
 from distill.inference.schedulers import SCHEDULERS
 from distill.methods import METHODS
 from distill.models.registry import STUDENTS
+from distill.worlds import options as world_options
 
 # ---------------------------------------------------------------- fixed sets of choices
 
@@ -30,9 +31,11 @@ AcceleratorKind = choice("AcceleratorKind", ACCELERATORS.names())  # every regis
 
 # ---------------------------------------------------------------- data
 
-DigitsDataConfig = builds("DigitsDataConfig", "distill.data.DigitsDataModule")
 ImageFolderDataConfig = builds("ImageFolderDataConfig", "distill.data.ImageFolderDataModule")
 WebDatasetDataConfig = builds("WebDatasetDataConfig", "distill.data.WebDatasetDataModule")
+# the embedded worlds' data sets (distill.worlds), e.g. data=<world name>
+WORLD_DATA_CONFIGS = {name: builds(f"{name.capitalize()}DataConfig", target) for name, target in world_options("data").items()}
+globals().update({schema.__name__: schema for schema in WORLD_DATA_CONFIGS.values()})  # importable by name: configs pickle
 
 # ---------------------------------------------------------------- method
 # A schema per registered method (distill.methods.METHODS), ``method=<name>``. The entry point passes what it
@@ -270,7 +273,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "callbacks": {"ema": EMACallbackConfig, "samples": SampleGridCallbackConfig, "quality_cost": QualityCostCallbackConfig,
                   "progress": ProgressBarCallbackConfig, "lr_monitor": LRMonitorCallbackConfig},
     "logger": {"csv": CSVLoggerConfig, "tensorboard": TensorBoardLoggerConfig, "wandb": WandbLoggerConfig},
-    "data": {"digits": DigitsDataConfig, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
+    "data": {**WORLD_DATA_CONFIGS, "imagefolder": ImageFolderDataConfig, "webdataset": WebDatasetDataConfig},
     "method": METHOD_SCHEMAS,
     "teacher": {"teacher": TeacherConfig},
     "student": STUDENT_SCHEMAS,

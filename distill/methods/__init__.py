@@ -10,8 +10,7 @@ the class that ``method._target_`` names; it raises ``ValueError`` naming the ke
 
 from distill.utils.registry import Registry
 
+# the worlds' asset trainers are methods too: the registry adds the modules each world lists (distill.worlds)
 METHODS = Registry("method", modules=(
     "distill.methods.diffusion", "distill.methods.consistency", "distill.methods.consistency_training",
-    "distill.methods.progressive", "distill.methods.feature_distillation",
-    # the digits world's asset trainers are methods too
-    "distill.assets.clip", "distill.assets.classifier", "distill.assets.noisy_classifier", "distill.assets.autoencoder"))
+    "distill.methods.progressive", "distill.methods.feature_distillation"))

@@ -318,8 +318,8 @@ class DistillMethod(L.LightningModule):
         if getattr(self, "vae", None) is None:
             raise ValueError("method.latent_cache=true needs a VAE: this method trains in pixel space; set it to false")
         if datamodule is None or not (hasattr(datamodule, "train_set") or hasattr(datamodule, "encode_in_workers")):
-            raise ValueError(f"method.latent_cache=true needs a map-style data module with a train_set (digits, "
-                             f"imagefolder) or a stream that encodes in its workers (webdataset); "
+            raise ValueError(f"method.latent_cache=true needs a map-style data module with a train_set (the embedded "
+                             f"default world's, imagefolder) or a stream that encodes in its workers (webdataset); "
                              f"{type(datamodule).__name__} is neither: set method.latent_cache=false")
 
     def _attach_latent_cache(self) -> None:

@@ -38,7 +38,7 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         lr_scheduler: Callable | None = None,
         num_ddim_timesteps: int = 50,  # the skipping-step solver's grid
         # classifier-free guidance scales (w + 1) sampled per example: diffusers' LCM distillation script samples
-        # its w (guidance = w + 1) uniformly in [5, 15] for Stable Diffusion; +exp=consistency narrows it for digits
+        # its w (guidance = w + 1) uniformly in [5, 15] for Stable Diffusion; +exp=consistency narrows it for the embedded default
         guidance_scale_min: float = 6.0,
         guidance_scale_max: float = 16.0,
         ema_decay: float = 0.95,  # target = EMA of the student; 0 = stop-gradient copy

@@ -38,7 +38,7 @@ def replicate_columns() -> list[str]:
 
 
 def encode_replicates(values: Sequence[float]) -> str:
-    """Replicates as one CSV cell: space-separated, 8 significant digits."""
+    """Replicates as one CSV cell: space-separated, 8 significant figures."""
     return " ".join(f"{float(v):.8g}" for v in values)
 
 
@@ -80,8 +80,8 @@ def format_difference(a: dict, b: dict, key: str = "fid") -> str:
 
 
 def format_uncertain(value: float, std: float) -> str:
-    """``value ± std`` with the std to two significant digits and the value to the same decimal place; a std
-    that is zero up to float rounding (every resample alike) prints as 0, the value to 4 significant digits."""
+    """``value ± std`` with the std to two significant figures and the value to the same decimal place; a std
+    that is zero up to float rounding (every resample alike) prints as 0, the value to 4 significant figures."""
     if not math.isfinite(std) or not std > 1e-9 * max(1.0, abs(value)):
         return f"{value:.4g} ± {0.0 if math.isfinite(std) else std:.2g}"
     decimals = max(0, 1 - math.floor(math.log10(std)))

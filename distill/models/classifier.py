@@ -1,7 +1,8 @@
-"""A small digit classifier CNN whose penultimate layer is the FID feature space of the digits world.
+"""A small image classifier CNN whose penultimate layer can serve as a domain's FID feature space.
 
-For MNIST-like data a domain classifier replaces Inception-v3 as the FID feature network (e.g. the
-"MNIST FID" of many GAN papers): Inception features of 32x32 grey digits say little about them.
+For small grey images a domain classifier replaces Inception-v3 as the FID feature network (e.g. the
+"MNIST FID" of many GAN papers): Inception features of 32x32 grey images say little about them. The embedded
+default world trains one (its FID features, prompt accuracy and the guide of ``mode=x0`` classifier guidance).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from distill.models.registry import STUDENTS
 
 
 def _conv_block(c_in: int, c_out: int) -> nn.Sequential:
@@ -41,7 +40,7 @@ def _stage_contexts(stage: nn.Module) -> tuple:
     return nullcontext(), _buffers_kept(stage)
 
 
-class DigitClassifier(nn.Module, PyTorchModelHubMixin):
+class ImageClassifier(nn.Module, PyTorchModelHubMixin):
     """Conv-BN-ReLU stages with max pooling, global average pooling, a feature layer, then logits.
 
     Input: (N, C, H, W) in [-1, 1]; any other H, W is resized to ``resolution`` first, so that the
@@ -77,7 +76,7 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] != self.in_channels:
-            if self.in_channels == 1:  # RGB samples of grey digits: score their luminance
+            if self.in_channels == 1:  # RGB samples for a grey classifier: score their luminance
                 x = x.mean(dim=1, keepdim=True)
             else:
                 raise ValueError(f"expected {self.in_channels} channels, got {x.shape[1]}")
@@ -115,13 +114,3 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Class logits (N, num_classes)."""
         return self.head(self.features(x))
-
-
-@STUDENTS.register("digit_classifier", kwargs_of=DigitClassifier, convert="all")  # plain lists: config.json
-def build_digit_classifier(gradient_checkpointing: bool = False, **sizes) -> DigitClassifier:
-    """The ``student`` group's entry: a ``DigitClassifier``, with gradient checkpointing if asked (kept out of
-    the init arguments, which the hub mixin writes to config.json)."""
-    model = DigitClassifier(**sizes)
-    if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-    return model

@@ -13,4 +13,4 @@ from distill.utils.registry import Registry
 
 STUDENTS = Registry("student", modules=(
     "distill.models.students", "distill.models.moe", "distill.compress.students", "distill.models.unet",
-    "distill.models.clip", "distill.models.classifier", "distill.models.vae", "distill.models.noisy_classifier"))
+    "distill.models.vae", "distill.models.noisy_classifier"))

@@ -1,4 +1,4 @@
-"""The digits world's VAE: a small diffusers ``AutoencoderKL`` and its latent scaling factor.
+"""A small diffusers ``AutoencoderKL`` (the embedded default world's VAE) and its latent scaling factor.
 
 As in Stable Diffusion (Rombach et al. 2022, sec. 4.3.2 and D.1), latent diffusion trains on
 ``z * scaling_factor`` where ``scaling_factor = 1 / std(z)`` is measured on the training data, so

@@ -3,7 +3,7 @@ stages and stream batching; see :mod:`distill.serve.app` and :mod:`distill.serve
 
     python -m distill.serve pipeline=<dir or hub id>
     from distill.serve import Client
-    Client("http://127.0.0.1:8000").generate("a handwritten digit seven", seed=0).images[0]
+    Client("http://127.0.0.1:8000").generate("a red circle", seed=0).images[0]
 """
 
 from distill.serve.client import AsyncClient, Client, Generation, ServeError, parse_metrics

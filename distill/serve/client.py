@@ -2,8 +2,8 @@
 
     from distill.serve import Client
     with Client("http://127.0.0.1:8000") as client:
-        out = client.generate("a handwritten digit seven", seed=0)
-        out.images[0].save("seven.png")
+        out = client.generate("a red circle", seed=0)
+        out.images[0].save("circle.png")
 """
 
 from __future__ import annotations

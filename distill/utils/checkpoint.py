@@ -140,8 +140,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def _step_of(path: str) -> int:
-    digits = "".join(c for c in PurePosixPath(str(path)).stem if c.isdigit())
-    return int(digits) if digits else -1
+    numerals = "".join(c for c in PurePosixPath(str(path)).stem if c.isdigit())
+    return int(numerals) if numerals else -1
 
 
 def _mtime(info: dict) -> float:

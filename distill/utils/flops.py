@@ -9,7 +9,7 @@ import torch
 
 def _cpu_attention_formulas() -> dict:
     """Flop counter rules for the CPU attention kernel, which torch leaves uncounted (QK^T and AV at 0 FLOPs,
-    4.7% of the digits teacher's forward), with the formulas torch uses for its CUDA kernels (2 B H Lq Lk D for
+    4.7% of the embedded default teacher's forward), with the formulas torch uses for its CUDA kernels (2 B H Lq Lk D for
     QK^T plus 2 B H Lq Lk Dv for AV; backward: the gradients of both and the recomputed scores)."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 

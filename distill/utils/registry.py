@@ -2,7 +2,9 @@
 registers itself where it is defined (``@FAMILIES.register("sd")``), so that adding one is one file.
 
 A registry maps a name to the object (a class or a function). It knows the modules of the built-in parts and
-imports them on the first lookup (``Registry.load``), so that a lookup never depends on import order; config
+imports them on the first lookup (``Registry.load``), with the modules of the same kind that each world lists
+(``distill.worlds.parts(kind)``: a world's asset trainers, its students), so that a lookup never depends on
+import order; config
 choices are generated from ``names()``. ``register(name, **meta)`` keeps what the config needs to know of a part
 beyond its signature (``meta(name)``: e.g. the fixed choices of a string argument).
 
@@ -58,11 +60,13 @@ class Registry:
         return self._parts.pop(name)
 
     def load(self) -> Registry:
-        """Import the plugins (``DISTILL_PLUGINS``) and the built-in modules once (each registers its parts)."""
+        """Import the plugins (``DISTILL_PLUGINS``), the built-in modules and the worlds' modules of this kind
+        once (each registers its parts)."""
         if not self._loaded:
             self._loaded = True
             load_plugins()
-            for module in self.modules:
+            worlds = importlib.import_module(WORLDS_PACKAGE)  # a table of module names: imports no part
+            for module in (*self.modules, *worlds.parts(self.kind)):
                 importlib.import_module(module)
         return self
 
@@ -102,6 +106,7 @@ class Registry:
         return [(name, self._parts[name]) for name in self.names()]
 
 
+WORLDS_PACKAGE = "distill.worlds"  # named, not imported: a world's parts sit in the layers above this module
 PLUGINS_VARIABLE = "DISTILL_PLUGINS"
 _plugins_loaded: set[str] = set()
 

@@ -116,9 +116,9 @@ def fit(run_dir: Path, max_steps: int, critic_updates_per_step: int, resume: boo
         RNGState,
         RunIdentity,
     )
-    from distill.data import DigitsDataModule
     from distill.utils.checkpoint import AtomicCheckpointIO, resolve_resume
     from distill.utils.loggers import ResumableCSVLogger
+    from distill.worlds.digits.data import DigitsDataModule
 
     ckpt_dir = run_dir / "checkpoints"
     ckpt_path = str(resolve_resume(str(ckpt_dir))[0]) if resume else None

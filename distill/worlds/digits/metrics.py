@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import CLIPModel, CLIPTokenizer
 
-from distill.data.digits import caption_for
 from distill.models.clip import encode_images, encode_text
+from distill.worlds.digits.data import caption_for
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Quality of the digits classifier (FID features) and VAE, measured on the held-out digits.
 
-    python -m distill.assets.evaluate_assets classifier vae [--classifier DIR] [--vae DIR] [--record]
+    python -m distill.worlds.digits.evaluate_assets classifier vae [--classifier DIR] [--vae DIR] [--record]
 
 The assets load through their public ``from_pretrained`` (shipped ones by default). ``--record``
 writes the numbers into each evaluated asset's PROVENANCE.json under ``"quality"``.
@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL
 
-from distill.assets import asset_path
-from distill.assets.autoencoder import psnr
-from distill.data.digits import DigitsDataModule
-from distill.models.classifier import DigitClassifier
+from distill.models.classifier import ImageClassifier
 from distill.models.vae import encode_latents
+from distill.worlds.digits import asset_path
+from distill.worlds.digits.data import DigitsDataModule
+from distill.worlds.digits.trainers.autoencoder import psnr
 
 EVAL_BATCH = 256
 
@@ -36,7 +36,7 @@ def _batches(images: torch.Tensor) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def classifier_accuracy(classifier: DigitClassifier, images: torch.Tensor, labels: torch.Tensor) -> float:
+def classifier_accuracy(classifier: ImageClassifier, images: torch.Tensor, labels: torch.Tensor) -> float:
     classifier.eval()
     predictions = torch.cat([classifier(x).argmax(1) for x in _batches(images)])
     return (predictions == labels).float().mean().item()
@@ -50,14 +50,14 @@ def reconstruct(vae: AutoencoderKL, images: torch.Tensor) -> torch.Tensor:
 
 
 def evaluate_classifier(classifier_dir: Path) -> dict:
-    classifier = DigitClassifier.from_pretrained(classifier_dir)
+    classifier = ImageClassifier.from_pretrained(classifier_dir)
     images, labels = heldout_digits(classifier.resolution)
     return {"heldout_accuracy": classifier_accuracy(classifier, images, labels), "num_heldout": len(labels)}
 
 
 def evaluate_vae(vae_dir: Path, classifier_dir: Path) -> dict:
     vae = AutoencoderKL.from_pretrained(vae_dir)
-    classifier = DigitClassifier.from_pretrained(classifier_dir)
+    classifier = ImageClassifier.from_pretrained(classifier_dir)
     images, labels = heldout_digits(vae.config.sample_size)
     recon = reconstruct(vae, images)
     mse = torch.mean((recon - images) ** 2)

@@ -10,16 +10,11 @@ import torch
 import torch.nn.functional as F
 from transformers import CLIPModel, CLIPTokenizer
 
-from distill.assets.digit_metrics import clip_zeroshot_logits
 from distill.methods import METHODS
 from distill.methods.base import DistillMethod
-from distill.models.clip import (
-    CAPTION_TEMPLATES,
-    encode_images,
-    encode_text,
-    fill_template,
-    save_clip,
-)
+from distill.models.clip import encode_images, encode_text
+from distill.worlds.digits.clip import CAPTION_TEMPLATES, fill_template, save_clip
+from distill.worlds.digits.metrics import clip_zeroshot_logits
 
 
 def positive_pairs(labels: torch.Tensor, captions: list[str]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Rebuild the shipped digits assets: train each with its experiment, copy its export into the package.
 
-    python -m distill.assets.build [classifier vae clip teacher] [--seed 0]
+    python -m distill.worlds.digits.build [classifier vae clip teacher] [--seed 0]
 
 Order matters: the VAE is judged by the classifier, the teacher needs the VAE and CLIP, the noise-aware
 classifier (the guide of classifier guidance) the VAE and the teacher's noise schedule. The previous
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from distill.assets import ASSET_NAMES, ASSET_ROOT
+from distill.worlds.digits import ASSET_NAMES, ASSET_ROOT
 
 EXPERIMENTS = {"classifier": "asset_classifier", "vae": "asset_vae", "clip": "asset_clip", "teacher": "teacher",
                "noisy_classifier": "asset_noisy_classifier"}

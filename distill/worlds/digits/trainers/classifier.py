@@ -39,7 +39,7 @@ def random_affine(x: torch.Tensor, max_translate: float, max_rotate_deg: float, 
 
 @METHODS.register("classifier")
 class ClassifierTraining(DistillMethod):
-    """Cross-entropy training of ``student`` (a ``DigitClassifier``) with light affine augmentation."""
+    """Cross-entropy training of ``student`` (a ``ImageClassifier``) with light affine augmentation."""
 
     def __init__(
         self,
@@ -79,7 +79,7 @@ class ClassifierTraining(DistillMethod):
         return loss
 
     def export(self, out_dir: str | Path) -> Path:
-        """``config.json`` + ``model.safetensors``: ``DigitClassifier.from_pretrained(out_dir)`` loads it."""
+        """``config.json`` + ``model.safetensors``: ``ImageClassifier.from_pretrained(out_dir)`` loads it."""
         out_dir = Path(out_dir)
         self.student.save_pretrained(out_dir)
         return out_dir
