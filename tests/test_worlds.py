@@ -9,6 +9,8 @@ import io
 import tokenize
 from pathlib import Path
 
+import pytest
+
 import distill
 
 PACKAGE = Path(distill.__file__).parent
@@ -95,3 +97,24 @@ def test_the_check_sees_names_strings_and_comments(tmp_path):
     # isdigit is allowed by module: here it is found
     assert offenders(tmp_path) == ["generic.py:3: '# the digits default'", "generic.py:6: 'n_digits'",
                                    "generic.py:7: 'Digit'", "generic.py:7: 'isdigit'"]
+
+
+def test_a_world_reaches_the_registries_the_schema_and_the_asset_resolver():
+    """The digits world's parts register from its own package and its data option gets a generated schema."""
+    from distill.config.schema import SCHEMAS
+    from distill.methods import METHODS
+    from distill.models.registry import STUDENTS
+    from distill.worlds import asset_path, options, parts
+
+    assert {METHODS.get(name).__module__ for name in ("clip", "classifier", "vae", "noisy_classifier")} == {
+        f"distill.worlds.digits.trainers.{module}" for module in ("clip", "classifier", "autoencoder",
+                                                                  "noisy_classifier")}
+    assert STUDENTS.get("digit_classifier").__module__ == "distill.worlds.digits.classifier"
+    assert STUDENTS.get("clip").__module__ == "distill.worlds.digits.clip"
+    assert set(parts("student")) == {"distill.worlds.digits.clip", "distill.worlds.digits.classifier"}
+    assert options("data") == {"digits": "distill.worlds.digits.data.DigitsDataModule"}
+    schema = SCHEMAS["data"]["digits"]
+    assert (schema.__name__, schema._target_) == ("DigitsDataConfig", "distill.worlds.digits.data.DigitsDataModule")
+    assert asset_path("teacher") == WORLDS / "digits" / "weights" / "teacher"
+    with pytest.raises(FileNotFoundError, match="no world ships an asset 'teachr'; known assets: classifier, clip"):
+        asset_path("teachr")

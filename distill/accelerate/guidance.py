@@ -37,7 +37,7 @@ GUIDE_KINDS = {"noisy": "NoisyLatentClassifier", "x0": "ImageClassifier", "clip"
 
 
 def load_guide(mode: str, path: str):
-    """The guide of ``mode`` from ``path``, in eval mode: a ``NoisyLatentClassifier``, a ``ImageClassifier``, or a
+    """The guide of ``mode`` from ``path``, in eval mode: a ``NoisyLatentClassifier``, an ``ImageClassifier``, or a
     (CLIPModel, CLIPTokenizer) pair."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
