@@ -34,8 +34,9 @@ AcceleratorKind = choice("AcceleratorKind", ACCELERATORS.names())  # every regis
 ImageFolderDataConfig = builds("ImageFolderDataConfig", "distill.data.ImageFolderDataModule")
 WebDatasetDataConfig = builds("WebDatasetDataConfig", "distill.data.WebDatasetDataModule")
 # the embedded worlds' data sets (distill.worlds), e.g. data=<world name>
-WORLD_DATA_CONFIGS = {name: builds(f"{name.capitalize()}DataConfig", target) for name, target in world_options("data").items()}
-globals().update({schema.__name__: schema for schema in WORLD_DATA_CONFIGS.values()})  # importable by name: configs pickle
+WORLD_DATA_CONFIGS = {name: builds(f"{name.capitalize()}DataConfig", target)
+                      for name, target in world_options("data").items()}
+globals().update({schema.__name__: schema for schema in WORLD_DATA_CONFIGS.values()})  # by name: configs pickle
 
 # ---------------------------------------------------------------- method
 # A schema per registered method (distill.methods.METHODS), ``method=<name>``. The entry point passes what it
