@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def build(kind: str, value: float, teacher):
-    from distill.compress.students import lowrank_student, pruned_student
+    from distill.students.compressed import lowrank_student, pruned_student
 
     if kind == "pruned":
         return pruned_student(teacher.unet, ratio=value, teacher=teacher)

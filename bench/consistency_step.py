@@ -18,7 +18,7 @@ import torch
 from distill.diffusion import ddim_step, guidance_condition
 from distill.families import load_teacher
 from distill.methods.consistency import LatentConsistencyDistillation
-from distill.models.students import copy_student
+from distill.students.copies import copy_student
 from distill.worlds.digits import asset_path
 from distill.worlds.digits.data import DigitsDataModule
 

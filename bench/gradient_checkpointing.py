@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from distill.families import load_teacher
-from distill.models.students import copy_student
+from distill.students.copies import copy_student
 from distill.worlds.digits import asset_path
 
 MIB = 2**20

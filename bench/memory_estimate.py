@@ -107,7 +107,7 @@ def estimate(name: str, devices: int, batch: int, checkpointing: bool) -> dict:
 
 def check() -> dict:
     """The fake count equals a real CPU forward pass's on the digits student (same graph, same dtypes)."""
-    from distill.models.unet import build_text_unet
+    from distill.students.sized import build_text_unet
 
     torch.manual_seed(0)
     unet = build_text_unet(8, 4, size="tiny", cross_attention_dim=64).train()

@@ -17,7 +17,7 @@ from diffusers import DDPMScheduler
 
 from distill.methods.diffusion import DiffusionTraining
 from distill.models.conditioning import ClassConditioner
-from distill.models.unet import build_class_unet
+from distill.students.sized import build_class_unet
 from distill.worlds.digits.data import DigitsDataModule
 
 

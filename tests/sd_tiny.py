@@ -9,7 +9,7 @@ import torch
 from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from distill.models.unet import build_text_unet
+from distill.students.sized import build_text_unet
 
 WORDS = "a handwritten digit zero one two three four five six seven eight nine".split()
 

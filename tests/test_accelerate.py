@@ -259,7 +259,7 @@ def test_heun_calls_twice_a_step_deepcache_counts_calls_and_forecast_refuses(pip
 @pytest.mark.parametrize("which, shared", [("timestep", ()), ("timestep", ("conv_in", "down_blocks.0", "mid_block")),
                                            ("token", ())])
 def test_accelerators_run_on_moe_students(pipe, which, shared):
-    from distill.models.moe import timestep_moe_student, token_moe_student
+    from distill.students.moe import timestep_moe_student, token_moe_student
 
     teacher = pipe.unet
     student = (timestep_moe_student(teacher, num_experts=2, noise_scheduler=pipe.scheduler, shared_layers=shared)

@@ -4,7 +4,7 @@ import torch
 from diffusers import DDIMScheduler, StableDiffusionPipeline
 
 from distill.models.classifier import ImageClassifier
-from distill.models.students import copy_student
+from distill.students.copies import copy_student
 from distill.worlds.digits import asset_path
 from distill.worlds.digits.data import caption_for
 from distill.worlds.digits.metrics import prompted_digit_accuracy

@@ -8,11 +8,11 @@ from diffusers import AutoencoderKL
 
 from distill.models.classifier import ImageClassifier
 from distill.models.vae import (
-    build_vae,
     encode_latents,
     latent_scaling_factor,
     measure_scaling_factor,
 )
+from distill.students.assets import build_vae
 from distill.worlds.digits import asset_path
 from distill.worlds.digits.evaluate_assets import classifier_accuracy, heldout_digits, reconstruct
 from distill.worlds.digits.trainers.classifier import random_affine

@@ -80,8 +80,8 @@ def test_speed_ups_are_reported_as_median_of_ratios_and_ratio_of_medians():
 def test_pruned_variant_is_the_network_the_compress_experiment_trains():
     """prunedNN counts FLOPs at the tokenizer's text length as student=pruned does: at 77 tokens (torch's
     SD default) the stop point moved and pruned50 was another network (0.801M parameters against 0.822M)."""
-    from distill.compress.students import pruned_student
     from distill.inference.loading import load_pipeline
+    from distill.students.compressed import pruned_student
     from distill.worlds.digits import asset_path
 
     pipe = load_pipeline(str(asset_path("teacher")))

@@ -206,7 +206,7 @@ def test_a_pruned_unet_factorised_saves_and_loads_as_the_same_network(teacher_un
     """Pruning then low rank compose: the factorised export keeps the pruned layers' shapes (it dropped them, so
     the factors did not fit the unpruned layout that from_config rebuilt), and saves and loads as itself."""
     from distill.compress.prune import prune_unet, unet_example_inputs
-    from distill.compress.students import pretrained_student
+    from distill.students.pretrained import pretrained_student
 
     pruned, _ = prune_unet(teacher_unet, 0.5, target="params", example_inputs=unet_example_inputs(teacher_unet))
     with torch.no_grad():

@@ -331,8 +331,8 @@ def test_pipeline_export_loads_with_diffusers_and_samples(tmp_path):
 
 @pytest.mark.parametrize("build", ["timestep_moe", "token_moe", "lora", "scale_shift"])
 def test_moe_lora_and_unsupported_students_are_refused_naming_the_student_and_the_fix(build):
-    from distill.models.moe import timestep_moe_student, token_moe_student
-    from distill.models.students import lora_student
+    from distill.students.copies import lora_student
+    from distill.students.moe import timestep_moe_student, token_moe_student
 
     unet = mixed_unet()
     student = {"timestep_moe": lambda: timestep_moe_student(unet, num_experts=2),

@@ -134,7 +134,7 @@ def test_target_moves_once_per_optimizer_step_and_not_on_a_skipped_one(tiny_sd):
     moves neither the student nor the target; a real step moves the target by (1 - ema_decay) towards the student."""
     from distill.families import load_teacher
     from distill.methods.consistency import LatentConsistencyDistillation
-    from distill.models.students import copy_student
+    from distill.students.copies import copy_student
 
     method = LatentConsistencyDistillation(load_teacher(str(tiny_sd)), lambda unet: copy_student(unet, 32),
                                            optimizer=lambda params: torch.optim.SGD(params, lr=0.1), ema_decay=0.75)

@@ -107,7 +107,7 @@ def tiny_sd(tmp_path_factory):
 def _method(tiny_sd, variant, prediction_type="epsilon"):
     from distill.families import load_teacher
     from distill.methods.consistency_training import ConsistencyTraining
-    from distill.models.students import copy_student, fresh_student
+    from distill.students.copies import copy_student, fresh_student
 
     teacher = load_teacher(str(tiny_sd))
     teacher.scheduler.register_to_config(prediction_type=prediction_type)

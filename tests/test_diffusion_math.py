@@ -190,7 +190,7 @@ def test_diffusion_method_with_edm_weighting_draws_edm_timesteps_and_refuses_zer
     from distill.diffusion.noise import edm_timestep_probabilities
     from distill.methods.diffusion import DiffusionTraining
     from distill.models.conditioning import ClassConditioner
-    from distill.models.unet import build_class_unet
+    from distill.students.sized import build_class_unet
 
     schedule = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
     method = DiffusionTraining(build_class_unet(8, 1, size="debug"), schedule, ClassConditioner(10), torch.optim.AdamW,

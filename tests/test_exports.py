@@ -19,9 +19,9 @@ from distill.methods.diffusion import DiffusionTraining
 from distill.methods.progressive import ProgressiveDistillation
 from distill.metrics.cost import NFECounter
 from distill.models.conditioning import ClassConditioner, TextConditioner
-from distill.models.moe import timestep_moe_student, token_moe_student
-from distill.models.students import copy_student, lora_student
-from distill.models.unet import build_class_unet, build_text_unet
+from distill.students.copies import copy_student, lora_student
+from distill.students.moe import timestep_moe_student, token_moe_student
+from distill.students.sized import build_class_unet, build_text_unet
 from tests.sd_tiny import write_tiny_sd
 
 CAPTIONS = ["a handwritten digit three", "a handwritten digit seven"]

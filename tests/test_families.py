@@ -15,7 +15,7 @@ from distill.families.class_unet import ClassUNetFamily
 from distill.families.sd import StableDiffusionFamily
 from distill.models.conditioning import ClassConditioner, TextConditioner
 from distill.models.teacher import pipeline_configs
-from distill.models.unet import build_class_unet
+from distill.students.sized import build_class_unet
 from distill.worlds.digits import asset_path
 from tests.sd_tiny import write_tiny_sd
 from tests.test_teacher_checks import SDXL_INDEX, SDXL_UNET, configs_only, flow_matching
@@ -203,7 +203,7 @@ def test_a_method_refuses_a_teacher_without_a_family(teacher):
     import dataclasses
 
     from distill.methods.consistency import LatentConsistencyDistillation
-    from distill.models.students import copy_student
+    from distill.students.copies import copy_student
 
     with pytest.raises(ValueError, match="has no model family: load it with distill.families.load_teacher"):
         LatentConsistencyDistillation(dataclasses.replace(teacher, family=None), copy_student, torch.optim.AdamW)
@@ -211,7 +211,7 @@ def test_a_method_refuses_a_teacher_without_a_family(teacher):
 
 def test_a_method_holds_its_own_family_on_the_teachers_parts(teacher):
     from distill.methods.consistency import LatentConsistencyDistillation
-    from distill.models.students import copy_student
+    from distill.students.copies import copy_student
 
     method = LatentConsistencyDistillation(teacher, copy_student, torch.optim.AdamW, cache_prompts=False)
     family = method.family

@@ -11,7 +11,7 @@ from diffusers import UNet2DConditionModel
 from distill.diffusion import add_noise, alpha_sigma
 from distill.families import load_teacher
 from distill.methods.feature_distillation import FeatureDistillation
-from distill.models.students import copy_student
+from distill.students.copies import copy_student
 from distill.worlds.digits import asset_path
 
 

@@ -12,9 +12,9 @@ from diffusers import DDIMScheduler
 from distill.families import load_teacher
 from distill.inference.sampling import sample
 from distill.models import classifier as classifier_module
-from distill.models.students import copy_student, lora_student
-from distill.models.unet import build_class_unet, build_text_unet
-from distill.models.vae import build_vae
+from distill.students.assets import build_vae
+from distill.students.copies import copy_student, lora_student
+from distill.students.sized import build_class_unet, build_text_unet
 from distill.worlds.digits.classifier import build_digit_classifier
 from distill.worlds.digits.clip import build_clip_model, build_tokenizer
 from tests.sd_tiny import write_tiny_sd

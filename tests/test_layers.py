@@ -16,6 +16,9 @@ Where the order differs from the one sketched in issue 32, it follows what the p
   module, CLIP builder and students build on ``data``, ``models`` and the registries. Nothing generic imports a
   world: the config reaches it through ``_target_`` strings and ``${distill.asset:NAME}`` (the resolver and the
   schema in ``config``, above it, ask ``distill.worlds``), and the registries import the modules it lists by name.
+- ``students`` (every student builder) sits above ``families``, ``compress``, ``accelerate`` and ``inference``:
+  its builders make students of the networks those layers and ``models`` define (``student=pretrained`` loads
+  any class distill exports), and only the methods and the config call them.
 - ``metrics.cost``, ``metrics.quality_cost``, ``metrics.report`` and ``metrics.sanity`` are the evaluation
   layer (the quality-cost sweep, its cost meter, its tables and plots, and the metric checks drawn with them);
   the metrics themselves (FID, KID, CLIP score, their registry) sit with ``models``.
@@ -40,6 +43,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distill.methods",),
     # evaluation: the quality-cost sweep, its cost meter and its report
     ("distill.metrics.quality_cost", "distill.metrics.cost", "distill.metrics.report", "distill.metrics.sanity"),
+    # every student builder: it makes students of the networks of the layers below
+    ("distill.students",),
     ("distill.families", "distill.compress", "distill.accelerate", "distill.inference"),
     ("distill.models", "distill.diffusion", "distill.metrics"),
     ("distill.data", "distill.utils"),
@@ -173,8 +178,10 @@ def test_no_import_circle():
 def test_the_checker_sees_lazy_upward_imports_and_circles(tmp_path):
     """The checks themselves: a function-level import against the order and a circle through one are found."""
     graph = {"distill.models.a": {"distill.inference.b": 3}, "distill.inference.b": {"distill.models.a": 1}}
-    assert upward_imports(graph) == ["distill.models.a:3 imports distill.inference.b (layer 6 is above "
-                                     "distill.models.a's 7)"]
+    above, below = layer_of("distill.inference.b"), layer_of("distill.models.a")
+    assert above < below
+    assert upward_imports(graph) == [f"distill.models.a:3 imports distill.inference.b (layer {above} is above "
+                                     f"distill.models.a's {below})"]
     assert import_cycles(graph) == [["distill.inference.b", "distill.models.a", "distill.inference.b"]]
     source = tmp_path / "distill"
     (source / "models").mkdir(parents=True)

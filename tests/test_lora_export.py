@@ -12,7 +12,7 @@ from peft.tuners.lora import LoraLayer
 from distill.families import load_teacher
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.methods.consistency_training import ConsistencyTraining
-from distill.models.students import lora_student
+from distill.students.copies import lora_student
 from tests.conftest import ROOT
 from tests.sd_tiny import write_tiny_sd
 from tests.test_exports import CAPTIONS, _randomise

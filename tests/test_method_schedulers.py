@@ -9,8 +9,8 @@ from distill.inference.schedulers import scheduler_options
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.methods.diffusion import DiffusionTraining
 from distill.models.conditioning import ClassConditioner
-from distill.models.students import copy_student
-from distill.models.unet import build_class_unet
+from distill.students.copies import copy_student
+from distill.students.sized import build_class_unet
 from tests.sd_tiny import write_tiny_sd
 
 

@@ -13,7 +13,7 @@ from distill.families import load_teacher
 from distill.methods.consistency import LatentConsistencyDistillation
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.methods.progressive import ProgressiveDistillation
-from distill.models.students import copy_student, lora_student
+from distill.students.copies import copy_student, lora_student
 from tests.sd_tiny import write_tiny_sd
 
 CAPTIONS = ["a handwritten digit three", "a handwritten digit seven", "a handwritten digit one"]

@@ -14,10 +14,9 @@ from distill.models.moe import (
     TokenMoEUNet,
     expert_boundaries,
     no_routing_record,
-    timestep_moe_student,
-    token_moe_student,
 )
-from distill.models.students import copy_student
+from distill.students.copies import copy_student
+from distill.students.moe import timestep_moe_student, token_moe_student
 from tests.sd_tiny import write_tiny_sd
 
 

@@ -241,7 +241,7 @@ def test_edm_diffusion_training_is_a_unit_weight_mse_on_the_network_target(tiny_
     from distill.families import load_teacher
     from distill.methods.diffusion import DiffusionTraining
     from distill.models.conditioning import TextConditioner
-    from distill.models.unet import build_text_unet
+    from distill.students.sized import build_text_unet
 
     teacher = load_teacher(str(tiny_sd))
     torch.manual_seed(0)
@@ -307,7 +307,7 @@ def test_methods_draw_with_the_options_and_feed_the_adaptive_history(tiny_sd):
     validation loss draws plainly (no weights, no pairs)."""
     from distill.families import load_teacher
     from distill.methods.consistency import LatentConsistencyDistillation
-    from distill.models.students import copy_student
+    from distill.students.copies import copy_student
 
     method = LatentConsistencyDistillation(
         load_teacher(str(tiny_sd)), copy_student, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), num_ddim_timesteps=10,
@@ -343,8 +343,8 @@ def _antithetic_methods():
     from distill.methods.feature_distillation import FeatureDistillation
     from distill.methods.progressive import ProgressiveDistillation
     from distill.models.conditioning import TextConditioner
-    from distill.models.students import copy_student, fresh_student
-    from distill.models.unet import build_text_unet
+    from distill.students.copies import copy_student, fresh_student
+    from distill.students.sized import build_text_unet
 
     def w_student(u):
         return copy_student(u, time_cond_proj_dim=8)

@@ -10,7 +10,7 @@ from diffusers import DiffusionPipeline, StableDiffusionPipeline, UNet2DConditio
 
 from distill.compress.lowrank import LowRankUNet2DConditionModel, lowrank_unet
 from distill.compress.prune import PrunedUNet2DConditionModel, prune_unet, unet_example_inputs
-from distill.compress.students import pretrained_student
+from distill.students.pretrained import pretrained_student
 from distill.worlds.digits import asset_path
 
 

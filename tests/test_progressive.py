@@ -9,7 +9,7 @@ import torch
 from distill.diffusion import guidance_condition
 from distill.families import load_teacher
 from distill.methods.progressive import ProgressiveDistillation
-from distill.models.students import copy_student
+from distill.students.copies import copy_student
 from tests.conftest import run_train
 from tests.sd_tiny import write_tiny_sd
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,8 +39,8 @@ def test_every_registry_lists_its_built_in_parts():
     from distill.methods import METHODS
     from distill.methods.consistency import LatentConsistencyDistillation
     from distill.metrics.registry import METRICS, FIDMetric
-    from distill.models.registry import STUDENTS
-    from distill.models.students import lora_student
+    from distill.students import STUDENTS
+    from distill.students.copies import lora_student
 
     assert set(METHODS_BUILT_IN) <= set(METHODS.names()) and METHODS["consistency"] is LatentConsistencyDistillation
     assert set(STUDENTS_BUILT_IN) <= set(STUDENTS.names()) and STUDENTS["lora"] is lora_student
@@ -47,6 +48,31 @@ def test_every_registry_lists_its_built_in_parts():
     assert (ACCELERATORS["deepcache"], ACCELERATORS["classifier"]) == (DeepCache, ClassifierGuidance)
     assert METRICS.names()[:8] == METRICS_BUILT_IN and METRICS["fid"] is FIDMetric  # registration = column order
     assert STUDENTS.meta("moe_timestep") == {"choices": {"split": ("equal_step", "equal_snr")}, "routed": True}
+
+
+def test_every_student_builder_lives_in_distill_students():
+    """The built-in student builders are registered by distill.students' modules or, for a world's own networks, by
+    the modules that world lists (``distill.worlds``), and no module elsewhere in the package registers one."""
+    import ast
+
+    import distill
+    from distill.students import STUDENTS
+
+    assert STUDENTS.modules and all(m.startswith("distill.students.") for m in STUDENTS.modules), STUDENTS.modules
+    built_in = {name: part for name, part in STUDENTS.items() if name in STUDENTS_BUILT_IN}
+    assert sorted(built_in) == STUDENTS_BUILT_IN
+    from distill.worlds import parts
+
+    homes = (*STUDENTS.modules, *parts("student"))
+    assert {name: part.__module__ for name, part in built_in.items() if part.__module__ not in homes} == {}
+    package = Path(distill.__file__).parent
+    registering = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr == "register" and isinstance(node.value, ast.Name)
+                    and node.value.id == "STUDENTS"):
+                registering.add(path.relative_to(package).parts[0])
+    assert registering == {"students", "worlds"}
 
 
 def test_every_registry_lists_the_model_families():
@@ -58,7 +84,7 @@ def test_the_config_choices_are_the_registries():
     from distill.accelerate.registry import ACCELERATORS
     from distill.config.schema import SCHEMAS, AcceleratorKind, EvalConfig
     from distill.methods import METHODS
-    from distill.models.registry import STUDENTS
+    from distill.students import STUDENTS
 
     # (a test module may register a part of its own after the schema was made: a subset, in the same order)
     for choices, registry, built_in in [(list(SCHEMAS["method"]), METHODS, METHODS_BUILT_IN),

@@ -58,7 +58,7 @@ def _training_run(run: Path, overrides: list[str], points: dict, student: str) -
         {"hydra": {"runtime": {"choices": {"exp": "consistency", "student": student, "method": "consistency"}}}}))
     steps = next(o for o in overrides if o.startswith("method.num_ddim_timesteps=")).split("=")[1]
     config = {"seed": 0, "method": {"num_ddim_timesteps": int(steps), "lr": 1e-4},
-              "student": {"_target_": f"distill.models.students.{student}_student"},
+              "student": {"_target_": f"distill.students.copies.{student}_student"},
               "trainer": {"max_steps": 20, "default_root_dir": str(run)}}
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))

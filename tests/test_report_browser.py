@@ -99,7 +99,7 @@ def test_hover_names_the_run_and_its_numbers(page):
                                 "return h ? h.textContent : null")
     assert hover is not None, "no hover label"
     assert LABELS["2"] in hover
-    assert "student._target_=distill.models.students.lora_student" in hover  # the config difference
+    assert "student._target_=distill.students.copies.lora_student" in hover  # the config difference
     assert "FID 6.00 ± 0.20" in hover and "NFE 4 ·" in hover
     assert "on the Pareto front" in hover
 

@@ -15,7 +15,7 @@ from distill.inference.loading import load_pipeline, pipeline_defaults
 from distill.inference.schedulers import grid_timesteps, scheduler_options
 from distill.methods.progressive import ProgressiveDistillation
 from distill.metrics.quality_cost import PipelineSampler
-from distill.models.students import copy_student
+from distill.students.copies import copy_student
 from tests.sd_tiny import write_tiny_sd
 
 

@@ -121,8 +121,8 @@ def _methods():
     from distill.methods.feature_distillation import FeatureDistillation
     from distill.methods.progressive import ProgressiveDistillation
     from distill.models.conditioning import TextConditioner
-    from distill.models.students import copy_student
-    from distill.models.unet import build_text_unet
+    from distill.students.copies import copy_student
+    from distill.students.sized import build_text_unet
 
     opt = torch.optim.AdamW
     return {

@@ -5,7 +5,7 @@ import copy
 import torch
 from diffusers import UNet2DConditionModel
 
-from distill.models.students import lora_student
+from distill.students.copies import lora_student
 from distill.worlds.digits import asset_path
 
 # The target list of diffusers' examples/consistency_distillation/train_lcm_distill_lora_sd_wds.py.

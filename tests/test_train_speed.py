@@ -15,7 +15,7 @@ from distill.data.latents import CachedLatentDataset, cache_folder, cached_laten
 from distill.families import load_teacher
 from distill.methods import base as method_base
 from distill.methods.consistency import LatentConsistencyDistillation
-from distill.models.students import copy_student
+from distill.students.copies import copy_student
 from distill.utils.checkpoint import safe_load
 from distill.worlds.digits import asset_path
 from distill.worlds.digits.data import DigitsDataModule

@@ -103,7 +103,7 @@ def test_a_world_reaches_the_registries_the_schema_and_the_asset_resolver():
     """The digits world's parts register from its own package and its data option gets a generated schema."""
     from distill.config.schema import SCHEMAS
     from distill.methods import METHODS
-    from distill.models.registry import STUDENTS
+    from distill.students import STUDENTS
     from distill.worlds import asset_path, options, parts
 
     assert {METHODS.get(name).__module__ for name in ("clip", "classifier", "vae", "noisy_classifier")} == {

@@ -20,7 +20,7 @@ from distill.accelerate.registry import ACCELERATORS
 from distill.config.builds import builds, choice, registered
 from distill.inference.schedulers import SCHEDULERS
 from distill.methods import METHODS
-from distill.models.registry import STUDENTS
+from distill.students import STUDENTS
 from distill.worlds import options as world_options
 
 # ---------------------------------------------------------------- fixed sets of choices
@@ -51,7 +51,7 @@ METHOD_SCHEMAS = registered(METHODS, "MethodConfig", passed=("student", "samplin
 TeacherConfig = builds("TeacherConfig", "distill.families.load_teacher")
 
 # ---------------------------------------------------------------- student
-# A schema per registered student builder (distill.models.registry.STUDENTS), ``student=<name>``. A builder made
+# A schema per registered student builder (distill.students.STUDENTS), ``student=<name>``. A builder made
 # from the teacher is a partial: the method calls it on the teacher's UNet (and noise schedule, or the teacher).
 
 STUDENT_SCHEMAS = registered(STUDENTS, "StudentConfig", passed=("teacher_unet", "noise_scheduler", "teacher"),

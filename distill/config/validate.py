@@ -2,7 +2,7 @@
 
 Unknown keys, wrong types and values outside a fixed set of choices are Hydra's to reject, at composition
 (distill.config.schema); the errors here exit with code 2. The checks here are generic; the chosen method and
-student check their own settings (``check_config``: distill.methods, distill.models.registry), so that a method
+student check their own settings (``check_config``: distill.methods, distill.students), so that a method
 is never checked by the names of its keys.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from distill.models.registry import STUDENTS
+from distill.students import STUDENTS
 
 
 class ConfigError(ValueError):
@@ -124,7 +124,7 @@ def _registration(registry, node) -> dict:
 def _check_parts(cfg: DictConfig) -> None:
     """The chosen method and student check their own settings, beyond their schemas: a method class's classmethod
     ``check_config(cfg)`` (distill.methods), a student builder's registered ``check_config``
-    (distill.models.registry); their ValueError (or a missing file) is reported as a ConfigError."""
+    (distill.students); their ValueError (or a missing file) is reported as a ConfigError."""
     checks = (getattr(_part(cfg.method, "method"), "check_config", None),
               _registration(STUDENTS, cfg.student).get("check_config"))
     for check in checks:

@@ -12,8 +12,8 @@ from torch import nn
 from distill.data.latents import batch_size_of
 from distill.methods.base import DistillMethod, pipeline_images
 from distill.models.conditioning import concat_conditions
-from distill.models.students import make_student
 from distill.models.teacher import Teacher
+from distill.students import make_student
 
 
 class TeacherStudentDistillation(DistillMethod):
@@ -67,7 +67,7 @@ class TeacherStudentDistillation(DistillMethod):
         """The freshly initialised student as EDM's F (``method.noise.preconditioning=edm``), predicting what the
         teacher predicts; a student that starts from trained weights would start as another function."""
         from distill.models.precondition import EDMPreconditionedUNet2DConditionModel
-        from distill.models.students import fresh_student
+        from distill.students.copies import fresh_student
 
         if getattr(student, "func", None) is not fresh_student:
             raise ValueError("method.noise.preconditioning=edm re-parametrises the network, so it applies to a freshly "

@@ -1,1 +1,2 @@
-"""Networks: UNet factories, conditioning encoders, the denoiser wrapper."""
+"""Networks: conditioning encoders, the MoE and preconditioned UNets, the CLIP, the classifiers and the VAE's latent
+helpers, the teacher record. The builders that make students of them are in ``distill.students``."""

@@ -9,8 +9,6 @@ from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 
-from distill.models.registry import STUDENTS
-
 
 class _TimeResBlock(nn.Module):
     """GroupNorm -> FiLM by the time embedding -> SiLU -> conv, twice, with a (1x1 where needed) skip."""
@@ -61,9 +59,3 @@ class NoisyLatentClassifier(nn.Module, PyTorchModelHubMixin):
                 h = self.down(h)
         h = torch.nn.functional.silu(self.norm_out(h)).mean(dim=(2, 3))
         return self.head(h)
-
-
-@STUDENTS.register("noisy_classifier", convert="all")
-def build_noisy_classifier(in_channels: int = 4, sample_size: int = 8, channels: list[int] | tuple[int, ...] = (64, 128),
-                           time_dim: int = 128, num_classes: int = 10, groups: int = 8) -> NoisyLatentClassifier:
-    return NoisyLatentClassifier(in_channels, sample_size, list(channels), time_dim, num_classes, groups)

@@ -1,4 +1,5 @@
-"""A small diffusers ``AutoencoderKL`` (the embedded default world's VAE) and its latent scaling factor.
+"""A small diffusers ``AutoencoderKL`` (the embedded default world's VAE, built by
+``distill.students.assets.build_vae``): its latents and their scaling factor.
 
 As in Stable Diffusion (Rombach et al. 2022, sec. 4.3.2 and D.1), latent diffusion trains on
 ``z * scaling_factor`` where ``scaling_factor = 1 / std(z)`` is measured on the training data, so
@@ -7,51 +8,10 @@ that the latents have unit variance like the diffusion noise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from diffusers import AutoencoderKL
-
-from distill.models.registry import STUDENTS
-
-
-@STUDENTS.register("vae")
-def build_vae(
-    in_channels: int = 1,
-    sample_size: int = 32,
-    block_out_channels: Sequence[int] = (16, 32, 64),
-    layers_per_block: int = 1,
-    latent_channels: int = 4,
-    norm_num_groups: int = 8,
-    gradient_checkpointing: bool = False,
-) -> AutoencoderKL:
-    """An ``AutoencoderKL`` that downsamples ``len(block_out_channels) - 1`` times (32x32x1 -> 4x8x8 by default).
-
-    ``gradient_checkpointing`` recomputes each encoder/decoder block in the backward pass (diffusers' switch,
-    non-reentrant); forwards without gradients (encoding latents, reconstructions) are unaffected."""
-    levels = len(block_out_channels)
-    if sample_size % 2 ** (levels - 1):
-        raise ValueError(
-            f"student.sample_size={sample_size} is not divisible by 2**{levels - 1} (the VAE's downsamplings); "
-            f"pick a resolution that is a multiple of {2 ** (levels - 1)}"
-        )
-    if any(c % norm_num_groups for c in block_out_channels):
-        raise ValueError(f"student.block_out_channels={list(block_out_channels)} must be multiples of norm_num_groups={norm_num_groups}")
-    vae = AutoencoderKL(
-        in_channels=in_channels,
-        out_channels=in_channels,
-        down_block_types=("DownEncoderBlock2D",) * levels,
-        up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=tuple(int(c) for c in block_out_channels),  # a Hydra ListConfig is not JSON
-        layers_per_block=layers_per_block,
-        latent_channels=latent_channels,
-        norm_num_groups=norm_num_groups,
-        sample_size=sample_size,
-        scaling_factor=1.0,  # a placeholder until it is measured on the data (measure_scaling_factor)
-    )
-    if gradient_checkpointing:
-        vae.enable_gradient_checkpointing()
-    return vae
 
 
 def latent_scaling_factor(latents: torch.Tensor) -> float:

@@ -34,7 +34,7 @@ from torch import nn
 from distill.data.latents import batch_size_of
 from distill.methods import METHODS
 from distill.methods.base import DistillMethod
-from distill.models.registry import STUDENTS
+from distill.students import STUDENTS
 
 LATENT_DIM, RESOLUTION = 16, 8
 

@@ -5,7 +5,7 @@ FID feature space (Inception features of 32x32 grey digits say little about them
 from __future__ import annotations
 
 from distill.models.classifier import ImageClassifier
-from distill.models.registry import STUDENTS
+from distill.students import STUDENTS
 
 
 @STUDENTS.register("digit_classifier", kwargs_of=ImageClassifier, convert="all")  # plain lists: config.json

@@ -19,7 +19,7 @@ from pathlib import Path
 from tokenizers import pre_tokenizers
 from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
 
-from distill.models.registry import STUDENTS
+from distill.students import STUDENTS
 from distill.worlds.digits.data import DIGIT_WORDS
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"

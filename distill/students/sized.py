@@ -1,10 +1,11 @@
-"""diffusers UNets by size name (a name -> config table, as DiT does)."""
+"""Students trained from scratch: diffusers UNets by size name (a name -> config table, as DiT does), class-
+conditional (``student=class_unet``) or text-conditional (``student=text_unet``)."""
 
 from __future__ import annotations
 
 from diffusers import UNet2DConditionModel, UNet2DModel
 
-from distill.models.registry import STUDENTS
+from distill.students import STUDENTS
 
 # Widths per resolution level; one attention level in the middle. "debug" is the CI model.
 UNET_SIZES: dict[str, dict] = {
@@ -32,6 +33,26 @@ def _levels(spec: dict, sample_size: int, size: str) -> int:
     return levels
 
 
+def _unet(cls: type, spec: dict, sample_size: int, in_channels: int, out_channels: int | None, down: list[str],
+          up: list[str], gradient_checkpointing: bool, **conditioning):
+    """A ``cls`` UNet of the size ``spec`` with these blocks and ``conditioning`` (its class or text inputs)."""
+    unet = cls(
+        sample_size=sample_size,
+        in_channels=in_channels,
+        out_channels=out_channels or in_channels,
+        block_out_channels=spec["block_out_channels"],
+        layers_per_block=spec["layers_per_block"],
+        attention_head_dim=spec["attention_head_dim"],
+        down_block_types=tuple(down),
+        up_block_types=tuple(up),
+        norm_num_groups=8,
+        **conditioning,
+    )
+    if gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    return unet
+
+
 @STUDENTS.register("class_unet", choices={"size": UNET_SIZES})
 def build_class_unet(
     sample_size: int, in_channels: int = 1, out_channels: int | None = None, size: str = "tiny", num_classes: int = 10,
@@ -47,21 +68,8 @@ def build_class_unet(
     up = ["UpBlock2D"] * levels
     if levels > 1:
         down[1], up[-2] = "AttnDownBlock2D", "AttnUpBlock2D"
-    unet = UNet2DModel(
-        sample_size=sample_size,
-        in_channels=in_channels,
-        out_channels=out_channels or in_channels,
-        block_out_channels=spec["block_out_channels"],
-        layers_per_block=spec["layers_per_block"],
-        attention_head_dim=spec["attention_head_dim"],
-        down_block_types=tuple(down),
-        up_block_types=tuple(up),
-        norm_num_groups=8,
-        num_class_embeds=num_classes + 1,
-    )
-    if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    return unet
+    return _unet(UNet2DModel, spec, sample_size, in_channels, out_channels, down, up, gradient_checkpointing,
+                 num_class_embeds=num_classes + 1)
 
 
 @STUDENTS.register("text_unet", choices={"size": UNET_SIZES})
@@ -76,18 +84,5 @@ def build_text_unet(
     levels = _levels(spec, sample_size, size)
     down = ["CrossAttnDownBlock2D"] * (levels - 1) + ["DownBlock2D"]
     up = ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * (levels - 1)
-    unet = UNet2DConditionModel(
-        sample_size=sample_size,
-        in_channels=in_channels,
-        out_channels=out_channels or in_channels,
-        block_out_channels=spec["block_out_channels"],
-        layers_per_block=spec["layers_per_block"],
-        attention_head_dim=spec["attention_head_dim"],
-        down_block_types=tuple(down),
-        up_block_types=tuple(up),
-        cross_attention_dim=cross_attention_dim,
-        norm_num_groups=8,
-    )
-    if gradient_checkpointing:
-        unet.enable_gradient_checkpointing()
-    return unet
+    return _unet(UNet2DConditionModel, spec, sample_size, in_channels, out_channels, down, up, gradient_checkpointing,
+                 cross_attention_dim=cross_attention_dim)

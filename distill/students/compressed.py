@@ -3,25 +3,22 @@
 Each starts as the teacher's copy (``copy_student``: optionally with the zero-initialised guidance-scale input
 a latent consistency student takes), then is made smaller; the method trains it back to quality. The report of
 what was removed is logged at build time; the exported UNet's config records the resulting shapes (pruned) or ranks
-(low rank). A UNet trained before (``student=pretrained``) is loaded here too: this module sits above
-``models/`` and ``compress/`` and knows every UNet class distill exports.
+(low rank). A compressed UNet trained before is loaded as ``student=pretrained`` (``distill.students.pretrained``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from itertools import islice
 
 import torch
 from diffusers import UNet2DConditionModel
-from torch import nn
 
 from distill.compress.lowrank import UNET_KEEP_DENSE, LowRankUNet2DConditionModel, lowrank_unet
-from distill.compress.prune import PrunedUNet2DConditionModel
-from distill.models.registry import STUDENTS
-from distill.models.students import copy_student, unet_folder
+from distill.compress.prune import _check_ratio, prune_unet, unet_example_inputs
+from distill.students import STUDENTS
+from distill.students.copies import copy_student
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +48,19 @@ def lowrank_student(teacher_unet: UNet2DConditionModel, rank: int | Mapping[str,
 
 
 def calibration_batches(datamodule, teacher, num_batches: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(latents, encoder_hidden_states) of the first ``num_batches`` training batches of ``datamodule``, encoded
-    with the teacher's VAE (a posterior draw, seeded) and text encoder: what Taylor importance is measured on."""
-    from distill.data.latents import encode_latents
-    from distill.models.conditioning import TextConditioner
-
+    """(latents, encoder_hidden_states) of the first ``num_batches`` training batches of ``datamodule``, through
+    the teacher's family: its latents (a posterior draw, seeded) and its text conditioning, with no prompt cache
+    (each batch's prompts encoded together): what Taylor importance is measured on."""
     if num_batches < 1:
         raise ValueError(f"student.calib_batches={num_batches} must be >= 1")
     datamodule.setup("fit")
-    conditioner = TextConditioner(teacher.text_encoder, teacher.tokenizer, cache=False)
+    family = teacher.family.copy(cache_prompts=False)
     generator = torch.Generator().manual_seed(seed)
     batches = []
     with torch.no_grad():
         for batch in islice(datamodule.train_dataloader(), num_batches):
-            latents = encode_latents(teacher.vae, batch["pixel_values"], generator)
-            batches.append((latents, conditioner(batch)["encoder_hidden_states"]))
+            latents = family.encode(batch["pixel_values"], generator)
+            batches.append((latents, family.condition(batch)["encoder_hidden_states"]))
     return batches
 
 
@@ -81,8 +76,6 @@ def pruned_student(teacher_unet: UNet2DConditionModel, ratio: float = 0.5, targe
     training data) over every training timestep until the ``threshold`` stops it (``timesteps`` thins them).
     ``per_block`` (a uniform width multiplier) or global ranking, which alone takes ``iterative_steps``: see
     ``prune_unet``. FLOPs are counted at the teacher's sample size and text length."""
-    from distill.compress.prune import _check_ratio, prune_unet, unet_example_inputs
-
     _check_ratio("student.ratio", ratio)  # before the copy and any calibration compute
     calib = None
     if importance == "taylor":
@@ -102,57 +95,3 @@ def pruned_student(teacher_unet: UNet2DConditionModel, ratio: float = 0.5, targe
     if gradient_checkpointing:
         student.enable_gradient_checkpointing()
     return student.train().requires_grad_(True)
-
-
-def _unet_class(name: str) -> type:
-    """The UNet class a saved config names (``_class_name``): diffusers' own, or one that distill exports."""
-    import diffusers
-
-    from distill.models.moe import TimestepMoEUNet, TokenMoEUNet
-    from distill.models.precondition import EDMPreconditionedUNet2DConditionModel
-
-    exported = (PrunedUNet2DConditionModel, LowRankUNet2DConditionModel, TimestepMoEUNet, TokenMoEUNet,
-                EDMPreconditionedUNet2DConditionModel)
-    cls = {c.__name__: c for c in exported}.get(name, getattr(diffusers, name, None))
-    if not isinstance(cls, type):
-        raise ValueError(f"student.path holds a {name!r}, which neither diffusers nor distill defines")
-    return cls
-
-
-def _check_pretrained(cfg) -> None:
-    """``student.path`` holds a UNet (a config check, before anything is loaded)."""
-    unet_folder(cfg.student.path)
-
-
-@STUDENTS.register("pretrained", check_config=_check_pretrained)
-def pretrained_student(teacher_unet: nn.Module, path: str, time_cond_proj_dim: int | None = None,
-                       gradient_checkpointing: bool = False) -> nn.Module:
-    """A UNet trained before, loaded from ``path`` (a pipeline folder or its ``unet/``), of any class distill
-    exports: a recovered pruned or low-rank student, a MoE student, a plain UNet. It must take the teacher's
-    latents and text states. With ``time_cond_proj_dim`` and no guidance-scale input yet, one is added as in
-    ``copy_student`` (zero-initialised: the student starts as it was), so that latent consistency distillation
-    can make a compressed student few-step."""
-    folder = unet_folder(path)
-    config = json.loads((folder / "config.json").read_text())
-    cls = _unet_class(config.get("_class_name", ""))
-    model = cls.from_pretrained(folder)
-    for key in ("in_channels", "out_channels", "sample_size", "cross_attention_dim"):
-        mine, theirs = model.config.get(key), teacher_unet.config.get(key)
-        if mine is not None and theirs is not None and mine != theirs:
-            raise ValueError(f"student.path={str(path)!r} has {key}={mine}, the teacher {theirs}: it was trained for "
-                             "another model; give a student of this teacher")
-    have = model.config.get("time_cond_proj_dim")
-    if time_cond_proj_dim is not None and have != time_cond_proj_dim:
-        if have is not None:
-            raise ValueError(f"student.path={str(path)!r} already has a guidance-scale input of size {have}; set "
-                             f"student.time_cond_proj_dim={have} or null")
-        widened = cls.from_config({**model.config, "time_cond_proj_dim": time_cond_proj_dim})
-        missing, unexpected = widened.load_state_dict(model.state_dict(), strict=False)
-        if unexpected or any(not k.startswith("time_embedding.cond_proj") for k in missing):
-            raise ValueError(f"cannot add a guidance-scale input to the {cls.__name__} at {str(path)!r}: missing "
-                             f"{missing}, unexpected {unexpected}")
-        torch.nn.init.zeros_(widened.time_embedding.cond_proj.weight)
-        model = widened
-    if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-    return model.float().train().requires_grad_(True)  # fp32 master weights, as copy_student

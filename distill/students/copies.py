@@ -1,30 +1,13 @@
 """Students built from a teacher UNet: a full copy (optionally w-conditioned), a fresh one, or LoRA adapters (peft).
-A UNet trained before (``pretrained_student``) is loaded in ``distill.compress.students``, which knows every
+A UNet trained before (``pretrained_student``) is loaded in ``distill.students.pretrained``, which knows every
 UNet class distill exports."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
-from pathlib import Path
-
 import torch
 from diffusers import UNet2DConditionModel
-from torch import nn
 
-from distill.models.registry import STUDENTS
-
-
-def make_student(student: nn.Module | Callable[..., nn.Module], teacher) -> nn.Module:
-    """A ready module, or a builder called on the teacher's denoiser (and its noise schedule, or the whole teacher:
-    its family's conditioning and latents, if it asks: a builder that calibrates on data)."""
-    if isinstance(student, nn.Module):
-        return student
-    wants = inspect.signature(student).parameters
-    extra = {"noise_scheduler": teacher.scheduler} if "noise_scheduler" in wants else {}
-    if "teacher" in wants:
-        extra["teacher"] = teacher
-    return student(teacher.denoiser, **extra)
+from distill.students import STUDENTS
 
 
 @STUDENTS.register("copy")
@@ -90,13 +73,3 @@ def lora_student(teacher_unet: UNet2DConditionModel, rank: int = 8, alpha: float
         teacher_unet.enable_gradient_checkpointing()
     return teacher_unet
 
-
-def unet_folder(path: str | Path) -> Path:
-    """The diffusers model folder of ``path``: itself when it holds ``config.json``, else its ``unet/`` (a
-    pipeline folder, e.g. a distill export)."""
-    path = Path(path)
-    for folder in (path, path / "unet"):
-        if (folder / "config.json").is_file():
-            return folder
-    raise FileNotFoundError(f"student.path={str(path)!r} holds neither config.json nor unet/config.json; give a "
-                            "diffusers pipeline folder (e.g. a run's export/) or its unet/ folder")
