@@ -28,9 +28,9 @@ def build(kind: str, value: float, teacher):
     from distill.students.compressed import lowrank_student, pruned_student
 
     if kind == "pruned":
-        return pruned_student(teacher.unet, ratio=value, teacher=teacher)
+        return pruned_student(teacher.denoiser, ratio=value, teacher=teacher)
     if kind == "lowrank":
-        return lowrank_student(teacher.unet, budget=value)
+        return lowrank_student(teacher.denoiser, budget=value)
     raise SystemExit(f"unknown variant kind {kind!r}: use pruned:<ratio of FLOPs removed> or lowrank:<budget kept>")
 
 

@@ -54,7 +54,7 @@ def measure(batch_size: int, latent_size: int | None, flags: list[bool], steps: 
     activation memory (bytes) over ``steps`` steps each, after two warm-up steps each."""
     torch.manual_seed(0)
     teacher = load_teacher(str(asset_path("teacher")))
-    students = [copy_student(teacher.unet, time_cond_proj_dim=256, gradient_checkpointing=f).to(device) for f in flags]
+    students = [copy_student(teacher.denoiser, time_cond_proj_dim=256, gradient_checkpointing=f).to(device) for f in flags]
     optimizers = [torch.optim.AdamW(s.parameters(), lr=1e-4) for s in students]
     cfg, n = students[0].config, batch_size
     size = latent_size or cfg.sample_size

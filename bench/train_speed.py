@@ -136,7 +136,7 @@ def plain_loop(batch_size: int, steps: int, seed: int = 0) -> list[float]:
     torch.manual_seed(seed)
     teacher = load_teacher(str(asset_path("teacher")))
     vae, text_encoder, tokenizer = teacher.vae.eval(), teacher.text_encoder.eval(), teacher.tokenizer
-    teacher_unet = teacher.unet.eval().requires_grad_(False)
+    teacher_unet = teacher.denoiser.eval().requires_grad_(False)
     for m in (vae, text_encoder):
         m.requires_grad_(False)
     student = UNet2DConditionModel.from_config({**teacher_unet.config, "time_cond_proj_dim": 256})

@@ -82,12 +82,15 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     applied = []
     if cfg.fuse_qkv or cfg.channels_last or cfg.compile:
         from distill.compress.fusion import fuse_unet
+        from distill.families import denoiser_of, set_denoiser
 
         if cfg.compile:
             from distill.methods.base import _check_compile_supported
 
             _check_compile_supported(pipe.device)
-        pipe.unet, applied = fuse_unet(pipe.unet, qkv=cfg.fuse_qkv, channels_last=cfg.channels_last, compile=cfg.compile)
+        fused, applied = fuse_unet(denoiser_of(pipe), qkv=cfg.fuse_qkv, channels_last=cfg.channels_last,
+                                   compile=cfg.compile)
+        set_denoiser(pipe, fused)
         log.info("UNet speed-ups: %s", ", ".join(applied))
     # the command line's, else the export's intended call, else the pipeline class's own (StableDiffusionPipeline: 7.5)
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale",

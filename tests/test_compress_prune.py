@@ -340,8 +340,8 @@ def test_moe_lora_and_unsupported_students_are_refused_naming_the_student_and_th
                "lora": lambda: lora_student(unet, rank=2),
                "scale_shift": lambda: UNet2DConditionModel.from_config(unet.config,
                                                                        resnet_time_scale_shift="scale_shift")}[build]()
-    words = {"timestep_moe": ["TimestepMoEUNet", "mixture of experts", "prune_unet(teacher.unet"],
-             "token_moe": ["TokenMoEUNet", "mixture of experts", "prune_unet(teacher.unet"],
+    words = {"timestep_moe": ["TimestepMoEUNet", "mixture of experts", "prune_unet(teacher.denoiser"],
+             "token_moe": ["TokenMoEUNet", "mixture of experts", "prune_unet(teacher.denoiser"],
              "lora": ["LoRA", "fuse_lora"],
              "scale_shift": ["resnet_time_scale_shift='scale_shift'", "'default'"]}[build]
     with pytest.raises(ValueError) as err:

@@ -4,6 +4,8 @@ configs picks the family of each test pipeline and refuses the families distill 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline
@@ -83,7 +85,7 @@ def test_an_unknown_pipeline_names_the_registered_families(tmp_path):
 def test_load_teacher_gives_the_teacher_its_family(teacher):
     family = teacher.family
     assert isinstance(family, StableDiffusionFamily) and family.vae is teacher.vae
-    assert family.conditioner.text_encoder is teacher.text_encoder and teacher.denoiser is teacher.unet
+    assert family.conditioner.text_encoder is teacher.text_encoder and type(teacher.denoiser).__name__ == "UNet2DConditionModel"
     assert family.prediction_type == teacher.scheduler.config.prediction_type == "epsilon"
     assert torch.equal(family.schedule.abar[:-1], teacher.scheduler.alphas_cumprod)  # the teacher's own table
     t = torch.tensor([0, 10, 999])
@@ -97,10 +99,10 @@ def test_sd_denoise_is_the_direct_unet_call_bit_for_bit(teacher):
     x, t = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([999, 250])
     cond = teacher.family.condition({"caption": PROMPTS})
     with torch.no_grad():
-        direct = teacher.unet(x, t, encoder_hidden_states=cond["encoder_hidden_states"]).sample
-        assert torch.equal(teacher.family.denoise(teacher.unet, x, t, cond), direct)
+        direct = teacher.denoiser(x, t, encoder_hidden_states=cond["encoder_hidden_states"]).sample
+        assert torch.equal(teacher.family.denoise(teacher.denoiser, x, t, cond), direct)
         w = {"timestep_cond": torch.randn(2, 8, generator=g)}  # extra keywords pass through
-        student = teacher.unet.__class__.from_config({**teacher.unet.config, "time_cond_proj_dim": 8}).eval()
+        student = teacher.denoiser.__class__.from_config({**teacher.denoiser.config, "time_cond_proj_dim": 8}).eval()
         direct = student(x, t, encoder_hidden_states=cond["encoder_hidden_states"], **w).sample
         assert torch.equal(teacher.family.denoise(student, x, t, cond, **w), direct)
 
@@ -175,8 +177,8 @@ def test_family_for_picks_the_family_of_the_conditioner(teacher):
 
 def test_pipeline_level_lookups(teacher, pipe):
     assert family_of(pipe) is StableDiffusionFamily and denoiser_of(pipe) is pipe.unet and native_size(pipe) == 32
-    export = teacher.family.pipeline(teacher.unet, teacher.family.default_scheduler(), default_num_inference_steps=4)
-    assert family_of(export) is StableDiffusionFamily and denoiser_of(export) is teacher.unet
+    export = teacher.family.pipeline(teacher.denoiser, teacher.family.default_scheduler(), default_num_inference_steps=4)
+    assert family_of(export) is StableDiffusionFamily and denoiser_of(export) is teacher.denoiser
     assert export.config.default_num_inference_steps == 4 and type(export.scheduler) is type(teacher.scheduler)
     family = _class_family()
     cls_pipe = family.pipeline(build_class_unet(8, 1, size="debug"), family.default_scheduler())
@@ -185,16 +187,42 @@ def test_pipeline_level_lookups(teacher, pipe):
         family_of(object())
 
 
+def test_set_denoiser_replaces_the_denoiser_a_saved_pipeline_names(teacher, tmp_path):
+    """``set_denoiser`` puts another network in the family's denoiser component, and ``model_index.json`` names its
+    class; a family class that names no component says so."""
+    from distill.families import ModelFamily, set_denoiser
+    from distill.students.moe import timestep_moe_student
+
+    export = teacher.family.pipeline(teacher.denoiser, teacher.family.default_scheduler())
+    moe = timestep_moe_student(teacher.denoiser, num_experts=2).eval()
+    set_denoiser(export, moe)
+    assert denoiser_of(export) is moe and export.unet is moe
+    export.save_pretrained(tmp_path / "moe")
+    assert json.loads((tmp_path / "moe" / "model_index.json").read_text())["unet"] == ["distill.models.moe",
+                                                                                       "TimestepMoEUNet"]
+    family = _class_family()
+    cls_pipe = family.pipeline(build_class_unet(8, 1, size="debug"), family.default_scheduler())
+    other = build_class_unet(8, 1, size="debug")
+    set_denoiser(cls_pipe, other)
+    assert denoiser_of(cls_pipe) is other
+
+    class Unnamed(ModelFamily):
+        pass
+
+    with pytest.raises(NotImplementedError, match="Unnamed names no denoiser_component"):
+        Unnamed.denoiser_of(export)
+
+
 def test_feature_blocks_and_example_inputs_of_the_sd_unet(teacher):
-    blocks = teacher.family.feature_blocks(teacher.unet, mid_block=True)
-    n = len(teacher.unet.down_blocks)
+    blocks = teacher.family.feature_blocks(teacher.denoiser, mid_block=True)
+    n = len(teacher.denoiser.down_blocks)
     assert list(blocks) == [f"down_blocks.{i}" for i in range(n)] + ["mid_block"] + [
-        f"up_blocks.{i}" for i in range(len(teacher.unet.up_blocks))]
-    assert blocks["mid_block"] is teacher.unet.mid_block
-    x, t, cond = teacher.family.example_inputs(teacher.unet)
+        f"up_blocks.{i}" for i in range(len(teacher.denoiser.up_blocks))]
+    assert blocks["mid_block"] is teacher.denoiser.mid_block
+    x, t, cond = teacher.family.example_inputs(teacher.denoiser)
     assert x.shape == (1, 4, 8, 8) and cond["encoder_hidden_states"].shape == (1, 1, 32)
     with torch.no_grad():
-        assert teacher.family.denoise(teacher.unet, x, t, cond).shape == x.shape
+        assert teacher.family.denoise(teacher.denoiser, x, t, cond).shape == x.shape
     with pytest.raises(ValueError, match="has no down_blocks/up_blocks"):
         teacher.family.feature_blocks(torch.nn.Linear(2, 2))
 

@@ -34,7 +34,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def teacher_unet(tmp_path_factory):
-    return load_teacher(str(write_tiny_sd(tmp_path_factory.mktemp("sd")))).unet  # debug text UNet, 4x8x8, ctx dim 32
+    return load_teacher(str(write_tiny_sd(tmp_path_factory.mktemp("sd")))).denoiser  # debug text UNet, 4x8x8, ctx dim 32
 
 
 def build(kind: str, gradient_checkpointing: bool, teacher_unet) -> torch.nn.Module:

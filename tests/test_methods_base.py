@@ -145,7 +145,7 @@ def test_the_teacher_stays_frozen_in_eval_mode(tiny_sd, build):
 
 def test_lora_teacher_is_the_base_unet_without_adapters(tiny_sd):
     method = consistency_lora(tiny_sd).eval()
-    plain = load_teacher(str(tiny_sd)).unet
+    plain = load_teacher(str(tiny_sd)).denoiser
     g = torch.Generator().manual_seed(0)
     x, t, cond = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([999, 250]), torch.randn(2, 7, 32, generator=g)
     with torch.no_grad():

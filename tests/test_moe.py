@@ -51,7 +51,7 @@ def test_boundaries_split_steps_or_log_snr_equally():
 
 
 def test_routing_is_deterministic_per_timestep(teacher):
-    moe = timestep_moe_student(teacher.unet, num_experts=3, boundaries=[300, 700]).eval()
+    moe = timestep_moe_student(teacher.denoiser, num_experts=3, boundaries=[300, 700]).eval()
     t = torch.tensor([0, 299, 300, 699, 700, 999])
     assert moe.expert_of(t).tolist() == [0, 0, 1, 1, 2, 2]
     with torch.no_grad():  # make the experts differ so that routing is visible in the output
@@ -67,7 +67,7 @@ def test_routing_is_deterministic_per_timestep(teacher):
 
 
 def test_one_expert_per_call_at_sampling_time(teacher):
-    moe = timestep_moe_student(teacher.unet, num_experts=2, boundaries=[500]).eval()
+    moe = timestep_moe_student(teacher.denoiser, num_experts=2, boundaries=[500]).eval()
     calls = []
     for k, expert in enumerate(moe.experts):
         expert.register_forward_hook(lambda m, a, o, k=k: calls.append(k))
@@ -76,11 +76,11 @@ def test_one_expert_per_call_at_sampling_time(teacher):
         moe(x, torch.tensor(800), cond)
         moe(x, torch.tensor(100), cond)
     assert calls == [1, 0]
-    assert moe.active_parameters() == sum(p.numel() for p in teacher.unet.parameters())
+    assert moe.active_parameters() == sum(p.numel() for p in teacher.denoiser.parameters())
 
 
 def test_shared_layers_are_one_set_of_weights_and_round_trip(teacher, tmp_path):
-    moe = timestep_moe_student(teacher.unet, num_experts=2, boundaries=[500], time_cond_proj_dim=8,
+    moe = timestep_moe_student(teacher.denoiser, num_experts=2, boundaries=[500], time_cond_proj_dim=8,
                                shared_layers=["conv_in", "time_embedding", "down_blocks.0"])
     assert moe.experts[1].conv_in is moe.experts[0].conv_in
     assert not any(k.startswith("experts.1.conv_in") for k in moe.state_dict())  # stored once
@@ -92,7 +92,7 @@ def test_shared_layers_are_one_set_of_weights_and_round_trip(teacher, tmp_path):
     x, t, cond, extra = _inputs(w_dim=8)
     with torch.no_grad():
         torch.testing.assert_close(back(x, t, cond, **extra).sample, moe.eval()(x, t, cond, **extra).sample)
-    fresh = timestep_moe_student(teacher.unet, num_experts=2, boundaries=[500], time_cond_proj_dim=8,
+    fresh = timestep_moe_student(teacher.denoiser, num_experts=2, boundaries=[500], time_cond_proj_dim=8,
                                  shared_layers=["conv_in", "time_embedding", "down_blocks.0"])
     fresh.load_state_dict(moe.state_dict())  # strict: the aliases are filled from the stored copy
     assert torch.equal(fresh.experts[1].conv_out.weight, moe.experts[1].conv_out.weight)
@@ -205,7 +205,7 @@ def _formula_aux(logits: list[torch.Tensor], num_experts: int, top_k: int, lb_we
 
 
 def test_aux_loss_is_the_weighted_sum_over_layers(teacher):
-    moe = token_moe_student(teacher.unet, num_experts=3, top_k=2, load_balance_weight=0.01, z_loss_weight=0.001,
+    moe = token_moe_student(teacher.denoiser, num_experts=3, top_k=2, load_balance_weight=0.01, z_loss_weight=0.001,
                             time_cond_proj_dim=None)
     with torch.no_grad():
         for layer in moe.moe_layers():
@@ -226,7 +226,7 @@ def test_aux_loss_is_the_weighted_sum_over_layers(teacher):
 
 @pytest.mark.parametrize("build", [token_moe_student, timestep_moe_student])
 def test_marked_target_pass_keeps_the_students_routing_record(teacher, build):
-    moe = build(teacher.unet, num_experts=2, time_cond_proj_dim=None).train()
+    moe = build(teacher.denoiser, num_experts=2, time_cond_proj_dim=None).train()
     x, t, cond, _ = _inputs()
     moe(x, t, cond)
     aux, stats = moe.aux_loss(), moe.router_stats()
@@ -243,7 +243,7 @@ def test_marked_target_pass_keeps_the_students_routing_record(teacher, build):
 
 
 def test_reentrant_checkpoint_forward_records_the_students_routing(teacher):
-    moe = token_moe_student(teacher.unet, num_experts=3, top_k=2, z_loss_weight=0.001, time_cond_proj_dim=None)
+    moe = token_moe_student(teacher.denoiser, num_experts=3, top_k=2, z_loss_weight=0.001, time_cond_proj_dim=None)
     x, t, cond, _ = _inputs()
     moe(x, t, cond)
     plain_aux, plain_stats = moe.aux_loss().item(), moe.router_stats()
@@ -283,7 +283,7 @@ def test_consistency_with_ema_decay_0_adds_the_students_aux_loss(teacher):
 
 @pytest.mark.parametrize("kind", ["token", "timestep"])
 def test_one_expert_computes_the_dense_function(teacher, kind):
-    dense = copy_student(teacher.unet, time_cond_proj_dim=8).eval()
+    dense = copy_student(teacher.denoiser, time_cond_proj_dim=8).eval()
     with torch.no_grad():
         dense.time_embedding.cond_proj.weight.normal_()
     if kind == "token":
@@ -296,8 +296,8 @@ def test_one_expert_computes_the_dense_function(teacher, kind):
 
 
 def test_token_moe_counts_active_parameters_and_round_trips(teacher, tmp_path):
-    moe = token_moe_student(teacher.unet, num_experts=4, top_k=1, time_cond_proj_dim=8).eval()
-    dense = sum(p.numel() for p in copy_student(teacher.unet, time_cond_proj_dim=8).parameters())
+    moe = token_moe_student(teacher.denoiser, num_experts=4, top_k=1, time_cond_proj_dim=8).eval()
+    dense = sum(p.numel() for p in copy_student(teacher.denoiser, time_cond_proj_dim=8).parameters())
     routers = sum(layer.router.weight.numel() for layer in moe.moe_layers())
     assert moe.active_parameters() == dense + routers
     assert sum(p.numel() for p in moe.parameters()) > dense
@@ -315,7 +315,7 @@ def test_token_moe_counts_active_parameters_and_round_trips(teacher, tmp_path):
 def test_pipeline_with_a_moe_unet_loads_with_diffusers(teacher, tmp_path):
     from diffusers import StableDiffusionPipeline
 
-    moe = token_moe_student(teacher.unet, num_experts=2, top_k=1, time_cond_proj_dim=None).eval()
+    moe = token_moe_student(teacher.denoiser, num_experts=2, top_k=1, time_cond_proj_dim=None).eval()
     pipe = StableDiffusionPipeline(vae=teacher.vae, text_encoder=teacher.text_encoder, tokenizer=teacher.tokenizer,
                                    unet=moe, scheduler=teacher.scheduler, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
@@ -385,7 +385,7 @@ def test_gradient_checkpointing_changes_no_gradient(teacher, build):
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        moe = build(teacher.unet, time_cond_proj_dim=None, gradient_checkpointing=checkpointing)
+        moe = build(teacher.denoiser, time_cond_proj_dim=None, gradient_checkpointing=checkpointing)
         assert any(getattr(m, "gradient_checkpointing", False) for m in moe.modules()) == checkpointing
         x, t, cond, _ = _inputs()
         moe(x, t, cond).sample.square().mean().backward()

@@ -304,7 +304,7 @@ def test_progressive_runs_only_the_original_teacher_in_the_frozen_dtype(teacher)
     x, t, cond = torch.randn(2, 4, 8, 8), torch.tensor([10, 500]), torch.randn(2, 16, 64)
     assert method.teacher_is_original
     with torch.no_grad():
-        fp32 = teacher.unet(x, t, encoder_hidden_states=cond).sample
+        fp32 = teacher.denoiser(x, t, encoder_hidden_states=cond).sample
     if method_base.cpu_has_bf16():
         assert not torch.equal(method.teacher_forward(x, t, {"encoder_hidden_states": cond}), fp32)  # the original teacher: bf16
     method.finish_round()

@@ -18,8 +18,8 @@ own cache (layers shared by experts included); the calls are counted once, at th
 trajectory of as many calls as the scheduler makes (``SamplingContext.num_calls``: Heun calls twice a step); a
 UNet's first call, or one whose batch or dtype differs from the cached one, runs in full, and a cached call is
 recorded in the context (``ran = "cached"``). The
-package ``DeepCache`` (0.1.1) patches a pipeline's ``unet.down_blocks`` the same way but needs the UNet at
-``pipe.unet`` (no MoE), finds the step by ``scheduler.timesteps.index(t)`` (wrong where a scheduler repeats a
+package ``DeepCache`` (0.1.1) patches a pipeline's ``unet.down_blocks`` the same way but needs the UNet to be
+the pipeline's ``unet`` component (no MoE), finds the step by ``scheduler.timesteps.index(t)`` (wrong where a scheduler repeats a
 timestep) and implements its non-uniform schedule only in pipelines copied from diffusers 0.24; the tests check
 this implementation against its ``DeepCacheSDHelper`` on a Stable Diffusion layout.
 """
@@ -119,7 +119,7 @@ class _UNetCache:
         if branch >= skips:
             raise ValueError(f"accelerate.options.branch={branch} is beyond this UNet's {skips} skip branches "
                              f"(0..{skips - 1}); use a smaller branch")
-        self.unet, self.owner = unet, owner
+        self.network, self.owner = unet, owner
         self.deep = [(name, m) for name, m, depth in layers if depth > branch]
         self.full, self.key = True, None
         self.outputs: dict[int, object] = {}  # by id of the deep module
@@ -153,7 +153,7 @@ class _UNetCache:
         self.outputs.clear()
 
     def remove(self) -> None:
-        remove_hook(self.unet, HOOK)
+        remove_hook(self.network, HOOK)
 
 
 @ACCELERATORS.register("deepcache")

@@ -188,7 +188,7 @@ def _check_prunable(unet: nn.Module) -> None:
         raise ValueError(
             f"student {name} is a mixture of experts, which structured pruning does not support (its experts "
             "are separate networks saved under one dense config). Prune the dense UNet instead -- "
-            "prune_unet(teacher.unet, ratio) -- and distil the pruned UNet as a dense student; fewer experts "
+            "prune_unet(teacher.denoiser, ratio) -- and distil the pruned UNet as a dense student; fewer experts "
             "(student.num_experts) shrink a MoE student's parameters, not its per-step FLOPs, which are "
             "already one dense UNet's.")
     if getattr(unet, "peft_config", None):
@@ -392,7 +392,7 @@ class _Pruning:
 
     def __init__(self, unet: UNet2DConditionModel, inputs: Mapping, scorer, target: str, per_block: bool,
                  prune_heads: bool, iterative_steps: int):
-        self.unet, self.inputs, self.scorer, self.target = unet, inputs, scorer, target
+        self.original, self.inputs, self.scorer, self.target = unet, inputs, scorer, target
         self.prune_heads, self.iterative_steps = prune_heads, iterative_steps
         self.model = self.fresh_copy()
         self.head_dims = _head_dims(self.model)
@@ -414,7 +414,7 @@ class _Pruning:
     def fresh_copy(self) -> UNet2DConditionModel:
         # torch-pruning traces the dependency graph through autograd's grad_fn, which a frozen UNet (a loaded
         # teacher) does not record; the export gets the original's flags back (_export)
-        model = copy.deepcopy(self.unet).eval().requires_grad_(True)
+        model = copy.deepcopy(self.original).eval().requires_grad_(True)
         if model.is_gradient_checkpointing:
             model.disable_gradient_checkpointing()
         model.zero_grad(set_to_none=True)

@@ -14,6 +14,8 @@ instance is bound to one model's frozen parts: its noise scheduler (``schedule``
 - ``denoise(network, x, t, cond, **extra)``: the one call every method makes of a teacher or student network
   of the family (the student has the teacher's signature);
 - export: ``pipeline(network, scheduler, **call_defaults)`` of ``pipeline_class``, ``default_scheduler()``;
+- pipelines: ``denoiser_of(pipe)`` and ``set_denoiser(pipe, network)``, through the pipeline component named
+  ``denoiser_component``;
 - ``feature_blocks(network)``, the named blocks feature distillation and feature caching use.
 
 A family instance is a plain object, not a module: the method registers the same VAE, conditioner and schedule
@@ -43,6 +45,7 @@ class ModelFamily:
 
     conditioner_type: ClassVar[type] = nn.Module  # the conditioner this family conditions with
     pipeline_class: ClassVar[type | None] = None  # the diffusers pipeline class of its exports
+    denoiser_component: ClassVar[str] = ""  # the pipeline component that is the denoiser ("unet", "transformer")
 
     def __init__(self, scheduler, vae: nn.Module | None, conditioner: nn.Module):
         if not isinstance(conditioner, self.conditioner_type):
@@ -163,8 +166,21 @@ class ModelFamily:
 
     @classmethod
     def denoiser_of(cls, pipe) -> nn.Module:
-        """The denoising network of a pipeline of this family."""
-        return pipe.unet
+        """The denoising network of a pipeline of this family (its ``denoiser_component``)."""
+        return getattr(pipe, cls._denoiser_component())
+
+    @classmethod
+    def set_denoiser(cls, pipe, network: nn.Module) -> None:
+        """Make ``network`` the denoiser of a pipeline of this family (a fused, compiled or LoRA-merged copy of
+        it); the pipeline's config then names ``network``'s class and library (what ``model_index.json`` saves)."""
+        pipe.register_modules(**{cls._denoiser_component(): network})
+
+    @classmethod
+    def _denoiser_component(cls) -> str:
+        if not cls.denoiser_component:
+            raise NotImplementedError(f"{cls.__name__} names no denoiser_component (the pipeline component that is "
+                                      "its denoiser, e.g. \"unet\"); set it on the family class")
+        return cls.denoiser_component
 
     @classmethod
     def native_size(cls, pipe) -> int:
@@ -211,8 +227,13 @@ def family_of(pipe) -> type[ModelFamily]:
 
 
 def denoiser_of(pipe) -> nn.Module:
-    """The denoising network of an in-memory pipeline (``pipe.unet`` of a UNet family)."""
+    """The denoising network of an in-memory pipeline (its family's ``denoiser_component``)."""
     return family_of(pipe).denoiser_of(pipe)
+
+
+def set_denoiser(pipe, network: nn.Module) -> None:
+    """Make ``network`` the denoising network of an in-memory pipeline (``ModelFamily.set_denoiser``)."""
+    family_of(pipe).set_denoiser(pipe, network)
 
 
 def native_size(pipe) -> int:

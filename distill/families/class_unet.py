@@ -19,6 +19,7 @@ class ClassUNetFamily(ModelFamily):
 
     conditioner_type = ClassConditioner
     pipeline_class = DistillClassPipeline
+    denoiser_component = "unet"
 
     @classmethod
     def detect(cls, configs: dict[str, dict]) -> bool:

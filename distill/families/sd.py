@@ -24,6 +24,7 @@ class StableDiffusionFamily(ModelFamily):
 
     conditioner_type = TextConditioner
     pipeline_class = DistillTextToImagePipeline
+    denoiser_component = "unet"
 
     @classmethod
     def detect(cls, configs: dict[str, dict]) -> bool:

@@ -217,7 +217,7 @@ class TeacherStudentDistillation(DistillMethod):
             merged = copy.deepcopy(self.student)
             merged.fuse_lora()
             merged.unload_lora()
-            pipe.register_modules(unet=merged)
+            self.family.set_denoiser(pipe, merged)
             student += " with its LoRA adapters merged (adapters alone in lora/)"
         pipe.save_pretrained(out_dir)
         return student

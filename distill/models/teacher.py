@@ -18,9 +18,10 @@ SAFETY_COMPONENTS = ("safety_checker", "feature_extractor")  # what a stock SD p
 @dataclass
 class Teacher:
     """The frozen parts of a text-to-image latent diffusion model, and its ``family`` (a
-    ``distill.families.ModelFamily`` instance bound to these parts: conditioning, latents, schedule, denoise)."""
+    ``distill.families.ModelFamily`` instance bound to these parts: conditioning, latents, schedule, denoise).
+    ``denoiser`` is the denoising network, whatever its kind (a UNet, a transformer): what a student is built from."""
 
-    unet: nn.Module
+    denoiser: nn.Module
     vae: nn.Module
     text_encoder: nn.Module
     tokenizer: object
@@ -28,11 +29,6 @@ class Teacher:
     source: str
     load_options: dict = field(default_factory=dict)  # from_pretrained's revision, variant, torch_dtype for source
     family: object = None  # set by the family that loads it
-
-    @property
-    def denoiser(self) -> nn.Module:
-        """The denoising network (what a student is built from)."""
-        return self.unet
 
     @property
     def prediction_type(self) -> str:

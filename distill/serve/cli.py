@@ -91,6 +91,7 @@ def build(cfg: DictConfig):
     import torch
 
     from distill.accelerate import make_accelerator
+    from distill.families import denoiser_of
     from distill.inference.loading import load_pipeline, pipeline_defaults
     from distill.serve.engine import Engine
     from distill.serve.metrics import ServeMetrics
@@ -100,10 +101,11 @@ def build(cfg: DictConfig):
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     pipe = load_pipeline(str(cfg.pipeline))
-    for name in ("encode_prompt", "unet", "vae"):
+    denoiser_of(pipe)  # a pipeline of a registered model family (a ValueError naming them otherwise)
+    for name in ("encode_prompt", "vae"):
         if not hasattr(pipe, name):
             raise ValueError(f"pipeline={cfg.pipeline!r} is a {type(pipe).__name__}; distill.serve serves text-to-image "
-                             "pipelines of the StableDiffusionPipeline layout (encode_prompt, unet, vae)")
+                             "pipelines of the StableDiffusionPipeline layout (encode_prompt, a denoiser, vae)")
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     pipe.to(device)
     if cfg.dtype != "float32":

@@ -267,10 +267,10 @@ class Engine:
         if mode == "stream" and accelerator is not None:
             raise ValueError(f"accelerate={accelerator.describe()} keeps state along one trajectory, and mode=stream "
                              "batches jobs at different steps; use mode=pipeline (or batch) with an accelerator")
-        for name in ("encode_prompt", "unet", "vae", "scheduler", "image_processor"):
+        for name in ("encode_prompt", "vae", "scheduler", "image_processor"):  # the denoiser: denoiser_of, below
             if not hasattr(pipe, name):
                 raise ValueError(f"{type(pipe).__name__} has no {name}: distill.serve serves text-to-image pipelines of "
-                                 "the StableDiffusionPipeline layout (encode_prompt, unet, vae, scheduler)")
+                                 "the StableDiffusionPipeline layout (encode_prompt, a denoiser, vae, scheduler)")
         self.pipe, self.mode = pipe, mode
         self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1e3
         self.timeout_s, self.max_steps = timeout_s, max_steps
@@ -280,7 +280,7 @@ class Engine:
         self.scheduler_options = dict(scheduler_options or {})
         self._streams: dict[str, torch.cuda.Stream] = {}
         self.accelerator = accelerator
-        self.denoiser = denoiser_of(pipe)  # the family's network (pipe.unet of a UNet family)
+        self.denoiser = denoiser_of(pipe)  # the family's network (the UNet of a UNet family)
         self.device = self.denoiser.device
         self.factor = pipe.vae_scale_factor
         self.native = native_size(pipe)
