@@ -167,6 +167,22 @@ def test_a_name_is_registered_once():
     assert parts.unregister("a") is int and len(parts) == 0
 
 
+def test_a_built_in_module_that_fails_to_import_fails_every_lookup():
+    """A registry is loaded only once all its modules imported: a failed import is not remembered as a registry
+    with the parts registered so far (an empty or partial list of choices, with no error the second time)."""
+    from distill.utils.registry import Registry
+
+    parts = Registry("family", modules=("tests.examples.no_such_part",))
+    parts.register("sd")(int)
+    for _ in range(2):
+        with pytest.raises(ModuleNotFoundError, match="tests.examples.no_such_part"):
+            parts.names()
+    families = Registry("family")
+    with pytest.raises(KeyError, match=r"unknown family 'flux'; registered: \[\]\. Register one with "
+                                       r"@FAMILIES.register\('flux'\)"):
+        families.get("flux")
+
+
 # ---------------------------------------------------------------- a metric from one file, on the command line
 
 

@@ -38,6 +38,7 @@ class Registry:
         self._parts: dict[str, Any] = {}
         self._meta: dict[str, dict[str, Any]] = {}
         self._loaded = False
+        self._loading = False  # a lookup while the modules import (one of them reads it) sees the parts so far
 
     def register(self, name: str, *, replace: bool = False, **meta: Any) -> Callable[[Any], Any]:
         if not name or not isinstance(name, str):
@@ -61,20 +62,27 @@ class Registry:
 
     def load(self) -> Registry:
         """Import the plugins (``DISTILL_PLUGINS``), the built-in modules and the worlds' modules of this kind
-        once (each registers its parts)."""
-        if not self._loaded:
-            self._loaded = True
-            load_plugins()
-            worlds = importlib.import_module(WORLDS_PACKAGE)  # a table of module names: imports no part
-            for module in (*self.modules, *worlds.parts(self.kind)):
-                importlib.import_module(module)
+        once (each registers its parts). The registry counts as loaded once every import succeeded: after a failed
+        one, the next lookup tries again (and fails again, naming the module) instead of answering with the parts
+        registered so far."""
+        if not (self._loaded or self._loading):
+            self._loading = True
+            try:
+                load_plugins()
+                worlds = importlib.import_module(WORLDS_PACKAGE)  # a table of module names: imports no part
+                for module in (*self.modules, *worlds.parts(self.kind)):
+                    importlib.import_module(module)
+                self._loaded = True
+            finally:
+                self._loading = False
         return self
 
     def get(self, name: str) -> Any:
         self.load()
         if name not in self._parts:
+            plural = f"{self.kind[:-1]}ies" if self.kind.endswith("y") else f"{self.kind}s"  # family: FAMILIES
             raise KeyError(f"unknown {self.kind} {name!r}; registered: {sorted(self._parts)}. Register one with "
-                           f"@{self.kind.upper()}S.register({name!r}) in the module that defines it")
+                           f"@{plural.upper()}.register({name!r}) in the module that defines it")
         return self._parts[name]
 
     def meta(self, name: str) -> dict[str, Any]:
