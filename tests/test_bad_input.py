@@ -23,6 +23,10 @@ from tests.test_config import run_in_process
     (["data.num_workers=-1"], r"data.num_workers=-1 must be >= 0"),
     (["method.optimizer.lr=-1e-4"], r"method.optimizer.lr=-0.0001 must be > 0"),
     (["+exp=consistency", "method.optimizer.lr=0"], r"method.optimizer.lr=0 must be > 0"),
+    # the method's own checks, the same rule as its constructor's (a rate of 1 passed here, then failed at build)
+    (["+exp=compress", "method.cond_dropout=1.0"], r"method.cond_dropout=1.0 must be in \[0, 1\)"),
+    (["+exp=compress", "method.task_weight=0", "method.output_weight=0", "method.feature_weight=0"],
+     "nothing to train"),
 ])
 def test_bad_values_are_refused_at_validation_naming_the_key(compose, overrides, needle):
     cfg = compose(*overrides)

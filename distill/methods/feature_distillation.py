@@ -26,7 +26,6 @@ from torch import nn
 
 from distill.data.latents import batch_size_of
 from distill.methods import METHODS
-from distill.methods.checks import check_probability
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
@@ -70,15 +69,7 @@ class FeatureDistillation(TeacherStudentDistillation):
         sampling: dict | None = None,
         **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
-        for key, value in (("task_weight", task_weight), ("output_weight", output_weight),
-                           ("feature_weight", feature_weight)):
-            if not value >= 0:
-                raise ValueError(f"method.{key}={value} must be >= 0")
-        if task_weight + output_weight + feature_weight <= 0:
-            raise ValueError("method.task_weight, output_weight and feature_weight are all 0: nothing to train; "
-                             "set at least one > 0")
-        if not 0 <= cond_dropout < 1:
-            raise ValueError(f"method.cond_dropout={cond_dropout} must be in [0, 1)")
+        self.check_settings(task_weight, output_weight, feature_weight, cond_dropout)
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=1.0, guidance_scale_max=1.0,
                          **speed)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
@@ -199,7 +190,21 @@ class FeatureDistillation(TeacherStudentDistillation):
                 "output_weight": self.output_weight, "feature_weight": self.feature_weight,
                 "cond_dropout": self.cond_dropout}
 
+    @staticmethod
+    def check_settings(task_weight: float, output_weight: float, feature_weight: float, cond_dropout: float) -> None:
+        """Loss weights >= 0, not all 0; a condition-dropout rate in [0, 1) (the constructor's and the config's check)."""
+        for key, value in (("task_weight", task_weight), ("output_weight", output_weight),
+                           ("feature_weight", feature_weight)):
+            if not value >= 0:
+                raise ValueError(f"method.{key}={value} must be >= 0")
+        if task_weight + output_weight + feature_weight <= 0:
+            raise ValueError("method.task_weight, output_weight and feature_weight are all 0: nothing to train; "
+                             "set at least one > 0")
+        if not 0 <= cond_dropout < 1:
+            raise ValueError(f"method.cond_dropout={cond_dropout} must be in [0, 1)")
+
     @classmethod
     def check_config(cls, cfg) -> None:
-        """The condition-dropout rate is a probability."""
-        check_probability(cfg.method, "cond_dropout")
+        """The constructor's checks of the settings, before anything is built."""
+        method = cfg.method
+        cls.check_settings(method.task_weight, method.output_weight, method.feature_weight, method.cond_dropout)
