@@ -176,7 +176,7 @@ def test_each_space_is_blind_where_measured(digits_rows):
     assert rise("noise", 0.1, "feature")[1] > 5 and rise("noise", 0.1, "pixels")[1] < 1.1
     assert rise("noise", 0.2, "pixels")[0] < 2  # within the pixel FID's noise
     for degradation in ("drop_classes", "collapse"):
-        assert _series(t, degradation, "classifier", "error") == [0.0] * 4
+        assert _series(t, degradation, "classifier", "prompt_accuracy_drop") == [0.0] * 4
 
 
 # ---------------------------------------------------------------- extra feature spaces in every table
@@ -236,7 +236,7 @@ def test_sanity_command_writes_csv_table_verdicts_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "sanity.csv")))
     keys = {(r["space"], r["distance"]) for r in rows}
-    assert keys == {("feature", "fid"), ("feature", "kid"), ("pixels", "fid"), ("pixels", "kid"), ("classifier", "error")}
+    assert keys == {("feature", "fid"), ("feature", "kid"), ("pixels", "fid"), ("pixels", "kid"), ("classifier", "prompt_accuracy_drop")}
     assert [(r["degradation"], float(r["strength"])) for r in rows[::5]] == [
         ("clean", 0.0), ("noise", 0.1), ("noise", 0.4), ("drop_classes", 0.5)]
     noisy = {(r["strength"], r["space"], r["distance"]): float(r["value"]) for r in rows if r["degradation"] != "drop_classes"}

@@ -212,6 +212,22 @@ def test_the_toy_metric_is_the_mean_brightness(toy_metric):
     assert len(estimate.replicates) == 20
 
 
+def test_a_registered_metric_reaches_the_metric_sanity_suite(toy_metric):
+    """The sanity suite measures with the registered metrics (it recomputed FID and KID by hand, and a metric of
+    one's own was never measured there): the toy's rows are its mean brightness of the probes, by hand."""
+    from distill.metrics.sanity import DEGRADATIONS, SanitySuite
+    from tests.test_eval_set import instantiate_eval
+
+    suite = SanitySuite(instantiate_eval("eval=digits", "eval.clip=null", cache_dir=None), max_images=60, seed=0)
+    rows = suite.run({name: [0.2, 0.4] if name == "brightness" else [] for name in DEGRADATIONS})
+    toy = {r["strength"]: r["value"] for r in rows if (r["space"], r["distance"]) == ("images", "toy")}
+    by_hand = {s: ((suite.probes.double() + s).clamp(-1, 1).mean().item() + 1) / 2 for s in (0.0, 0.2, 0.4)}
+    assert toy == pytest.approx(by_hand, abs=1e-6) and toy[0.0] < toy[0.2] < toy[0.4]  # float32 per image
+    keys = {(r["space"], r["distance"]) for r in rows}  # the built-in metrics beside it, as before
+    assert keys == {("feature", "fid"), ("feature", "kid"), ("classifier", "prompt_accuracy_drop"),
+                    ("pixels", "fid"), ("pixels", "kid"), ("images", "toy")}
+
+
 def test_a_metric_from_one_file_is_selectable_and_reaches_the_table(tmp_path):
     """``DISTILL_PLUGINS=tests.examples.toy_metric python -m distill.evaluate ... eval.metrics=[fid,toy]``: the
     plugin's column stands in the CSV, the table, the console line and the real-data floor."""

@@ -333,10 +333,12 @@ class EvalSet:
         return self._classifier
 
     def available(self, need: str) -> bool:
-        """Whether the input a metric needs ("feature", "clip", "classifier", "labels", or "features:<space>" for
-        an extra feature space) is there."""
+        """Whether the input a metric needs ("feature", "clip", "classifier", "labels", "captions", or
+        "features:<space>" for an extra feature space) is there."""
         if need == "labels":
             return self.prompts()[1] is not None
+        if need == "captions":  # every sample of a sweep has its prompt (the set refuses to have none)
+            return True
         if need.startswith("features:"):
             return need.removeprefix("features:") in self.extra_features
         return getattr(self, need) is not None

@@ -57,13 +57,16 @@ def mean_estimate(scores: torch.Tensor, samples: Samples, num_resamples: int, se
 
 class Metric:
     """Base of every quality metric. Subclasses set ``name`` (the CSV column), ``label`` (short, for
-    console lines), ``needs`` (evaluation-set inputs: "feature", "clip", "classifier", "labels") and
-    ``real_data`` (also measured on real images, for the data floor), and implement ``__call__``."""
+    console lines), ``needs`` (evaluation-set inputs: "feature", "clip", "classifier", "labels", "captions"),
+    ``real_data`` (also measured on real images, for the data floor) and ``higher_is_better`` (a score such as
+    the CLIP score rather than a distance; the metric sanity suite reports its relative drop), and implement
+    ``__call__``."""
 
     name: ClassVar[str]
     label: ClassVar[str]
     needs: ClassVar[tuple[str, ...]] = ()
     real_data: ClassVar[bool] = False
+    higher_is_better: ClassVar[bool] = False
 
     def __init__(self, eval_set, seed: int = 0):
         self.eval_set, self.seed = eval_set, seed
@@ -132,7 +135,7 @@ class KIDMetric(Metric):
 class CLIPScoreMetric(Metric):
     """CLIP score of each sample against its caption, averaged; std: the standard error of that mean."""
 
-    name, label, needs = "clip_score", "CLIP", ("clip",)
+    name, label, needs, higher_is_better = "clip_score", "CLIP", ("clip", "captions"), True
 
     def __call__(self, samples: Samples) -> Estimate:
         from distill.metrics.clip_score import clip_score
@@ -152,7 +155,7 @@ class CLIPScoreMetric(Metric):
 class PromptAccuracyMetric(Metric):
     """Share of samples the classifier assigns to their prompt's label; std: the proportion's standard error."""
 
-    name, label, needs = "prompt_accuracy", "acc", ("classifier", "labels")
+    name, label, needs, higher_is_better = "prompt_accuracy", "acc", ("classifier", "labels"), True
 
     @torch.no_grad()
     def __call__(self, samples: Samples) -> Estimate:

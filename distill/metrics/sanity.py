@@ -2,12 +2,17 @@
 
 Real images of the evaluation set (its data module's held-out split, else its reference folder) are split,
 seeded and stratified by label, into a reference half and a probe half. The probes are degraded by known
-amounts (``DEGRADATIONS``) and measured against the reference half in every feature space: the set's own
-network (``feature``), its ``extra_features`` and the pixel space (always, it needs no weights). Each
-feature space reports FID (std: stratified bootstrap) and KID (std: spread over subsets); where the set has
-them, ``clip_drop`` = 1 - CLIP score / clean CLIP score (space ``clip``) and ``error`` = 1 - prompt accuracy
-(space ``classifier``). A distance that does not rise beyond its noise as a defect grows cannot see that
-defect; ``verdicts`` says so for each (degradation, space, distance).
+amounts (``DEGRADATIONS``) and measured against the reference half, in every feature space: the set's own
+network (``feature``), its ``extra_features`` and the pixel space (always, it needs no weights). What is
+measured is every registered metric (``distill.metrics.registry.METRICS``) of ``eval.metrics`` whose inputs
+the probes have, called as in a sweep, the reference half in place of the set's reference: FID and KID in
+each space, the CLIP score where the probes have captions, the prompt accuracy where they have labels, and a
+metric of one's own. A row's ``space`` is the metric's input (its feature space, else its first need, else
+``images``) and its ``distance`` the metric's name less ``_<space>`` (``fid_pixels``: space ``pixels``,
+distance ``fid``); a metric that is higher when better is reported as its relative drop,
+``<distance>_drop`` = 1 - value / clean value (``clip_score_drop``, ``prompt_accuracy_drop``). A distance
+that does not rise beyond its noise as a defect grows cannot see that defect; ``verdicts`` says so for each
+(degradation, space, distance).
 
     python -m distill.evaluate sanity=true [eval.extra_features=[pixels,clip]] [sanity_images=300]
 """
@@ -24,8 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from distill.metrics.fid import FID, describe
-from distill.metrics.kid import kernel_inception_distance
-from distill.metrics.registry import CLIPScoreMetric, PromptAccuracyMetric, Samples
+from distill.metrics.registry import Metric, Samples, build_metrics
 
 # ---------------------------------------------------------------- degradations
 # Each maps probes (N, C, H, W) in [-1, 1], their labels (N,) (-1: unlabelled), a strength and a generator to
@@ -179,6 +183,39 @@ def split_reference(labels: torch.Tensor | None, count: int, max_images: int | N
 # ---------------------------------------------------------------- measuring
 
 
+class _Halves:
+    """The evaluation set as a registered metric sees it inside the suite: the reference half stands in for the
+    set's reference in every space, and the probes' captions and labels are the inputs a metric may need."""
+
+    def __init__(self, suite: SanitySuite):
+        self._suite, self._eval_set = suite, suite.eval_set
+        self.extra_features = [space for space in suite.spaces if space != "feature"]
+
+    def __getattr__(self, name: str):
+        return getattr(self._eval_set, name)
+
+    def fid(self, space: str = "feature") -> FID:
+        return self._suite.spaces[space]
+
+    def available(self, need: str) -> bool:
+        if need == "feature" or need.startswith("features:"):
+            return need.removeprefix("features:") in self._suite.spaces
+        if need == "labels":
+            return self._suite.labels is not None
+        if need == "captions":
+            return bool(self._suite.captions)
+        return self._eval_set.available(need)
+
+
+def metric_key(metric: Metric) -> tuple[str, str]:
+    """A metric's (space, distance) in the suite's rows: its feature space, else its first need, else ``images``;
+    its name less ``_<space>``, as ``<distance>_drop`` when higher is better."""
+    spaces = [need.removeprefix("features:") for need in metric.needs if need == "feature" or need.startswith("features:")]
+    space = (spaces or list(metric.needs) or ["images"])[0]
+    distance = metric.name.removesuffix(f"_{space}")
+    return space, f"{distance}_drop" if metric.higher_is_better else distance
+
+
 class SanitySuite:
     """The reference half in every feature space and the measurements of (degraded) probes against it."""
 
@@ -198,10 +235,9 @@ class SanitySuite:
             fid = FID(eval_set.feature_spec(space), cache_dir=None, input_shape=tuple(images.shape[1:]))
             fid.set_reference(images[reference])
             self.spaces[space] = fid
-        self.clip = CLIPScoreMetric(eval_set, seed) if eval_set.clip is not None and self.captions else None
-        labelled = self.labels is not None and eval_set.classifier is not None
-        self.classifier = PromptAccuracyMetric(eval_set, seed) if labelled else None
-        self.clean_clip_score = self.clip(self._samples(self.probes, _same(self.probes))).value if self.clip else None
+        self.metrics = build_metrics(_Halves(self), seed)
+        clean = self._samples(self.probes, _same(self.probes))
+        self.clean = {m.name: m(clean).value for m in self.metrics if m.higher_is_better}  # the drops' base
 
     def describe_spaces(self) -> dict[str, str]:
         return {space: describe(self.eval_set.feature_spec(space)) for space in self.spaces}
@@ -212,21 +248,17 @@ class SanitySuite:
         return Samples(images, [self.captions[i] for i in index] if self.captions else [], labels, strata)
 
     def measure(self, images: torch.Tensor, index: torch.Tensor) -> dict[tuple[str, str], tuple[float, float]]:
-        """{(space, distance): (value, std)} of degraded probes ``images`` (N, C, H, W), each from probe ``index``."""
+        """{(space, distance): (value, std)} of degraded probes ``images`` (N, C, H, W), each from probe ``index``,
+        one entry per metric of ``self.metrics`` (``metric_key``)."""
         samples = self._samples(images, index)
         out = {}
-        for space, fid in self.spaces.items():
-            features = fid.features(images)
-            out[space, "fid"] = (fid.from_features(features),
-                                 fid.bootstrap_std(features, self.eval_set.fid_bootstrap, self.seed, samples.strata))
-            out[space, "kid"] = kernel_inception_distance(fid.reference_features, features, self.eval_set.kid_subsets,
-                                                          self.eval_set.kid_subset_size, self.seed)
-        if self.clip is not None:
-            clip = self.clip(samples)
-            out["clip", "clip_drop"] = (1 - clip.value / self.clean_clip_score, clip.std / self.clean_clip_score)
-        if self.classifier is not None:
-            accuracy = self.classifier(samples)
-            out["classifier", "error"] = (1 - accuracy.value, accuracy.std)
+        for metric in self.metrics:
+            estimate = metric(samples)
+            value, std = estimate.value, estimate.std
+            if metric.higher_is_better:
+                base = self.clean[metric.name]
+                value, std = (1 - value / base, std / base) if base else (math.nan, math.nan)
+            out[metric_key(metric)] = (value, std)
         return out
 
     def plan(self, strengths: Mapping[str, Sequence[float]] | None = None) -> dict[str, list[float]]:
