@@ -305,7 +305,17 @@ def _finish(cfg: DictConfig, run_dir: Path, method, trainer) -> None:
         log.info("sample grid: %s", grid)
 
 
-HPARAM_METRICS = ("fid", "fid_std", "kid", "clip_score", "prompt_accuracy", "latency_s", "nfe", "gflops_per_image")
+HPARAM_COSTS = ("latency_s", "nfe", "gflops_per_image")  # the cost columns beside the quality ones
+
+
+def final_hparams(row: dict | None) -> dict[str, float]:
+    """The HParams dashboard's metrics of the student's final quality-cost row: every registered metric with its
+    std (``distill.metrics.report.quality_columns``, a metric of one's own included) and ``HPARAM_COSTS``, where
+    the row holds them."""
+    from distill.metrics.report import quality_columns
+
+    return {f"hparams/{n}": float(row[n]) for n in (*quality_columns(), *HPARAM_COSTS)
+            if row and row.get(n) not in (None, "")}
 
 
 def _log_final_hparams(cfg: DictConfig, run_dir: Path, trainer) -> None:
@@ -316,8 +326,7 @@ def _log_final_hparams(cfg: DictConfig, run_dir: Path, trainer) -> None:
     loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
     if not loggers:
         return
-    row = student_row(cfg, run_dir)
-    final = {f"hparams/{n}": float(row[n]) for n in HPARAM_METRICS if row and row.get(n) not in (None, "")}
+    final = final_hparams(student_row(cfg, run_dir))
     if not final:
         return
     params = {"exp_name": cfg.exp_name, "seed": cfg.seed}

@@ -228,6 +228,18 @@ def test_a_registered_metric_reaches_the_metric_sanity_suite(toy_metric):
                     ("pixels", "fid"), ("pixels", "kid"), ("images", "toy")}
 
 
+def test_a_registered_metric_reaches_the_hparams_dashboard(toy_metric):
+    """The final quality-cost row's metrics in TensorBoard's HParams come from the registry (train.py kept its own
+    list of names, without the toy); empty cells (metrics not measured) stay out."""
+    from distill.train import final_hparams
+
+    row = {"fid": "3.5", "fid_std": "0.25", "kid": "", "toy": "0.375", "toy_std": "0.125", "latency_s": "0.5",
+           "nfe": "4", "model": "student"}
+    assert final_hparams(row) == {"hparams/fid": 3.5, "hparams/fid_std": 0.25, "hparams/toy": 0.375,
+                                  "hparams/toy_std": 0.125, "hparams/latency_s": 0.5, "hparams/nfe": 4.0}
+    assert final_hparams(None) == {}
+
+
 def test_a_metric_from_one_file_is_selectable_and_reaches_the_table(tmp_path):
     """``DISTILL_PLUGINS=tests.examples.toy_metric python -m distill.evaluate ... eval.metrics=[fid,toy]``: the
     plugin's column stands in the CSV, the table, the console line and the real-data floor."""
