@@ -168,6 +168,15 @@ def _load_yaml(path: Path):
         return yaml.safe_load(f)
 
 
+def unregistered_metrics(rows: list[dict]) -> list[str]:
+    """The metrics whose columns ``rows`` hold (each metric's ``<name>_replicates``) but that are not registered in
+    this process (a plugin's, measured with ``DISTILL_PLUGINS`` set): the tables keep the registered ones only."""
+    from distill.metrics.registry import METRICS
+
+    measured = dict.fromkeys(k.removesuffix("_replicates") for r in rows for k in r if k.endswith("_replicates"))
+    return [name for name in measured if name not in METRICS]
+
+
 def load_run(run_dir: Path) -> Run:
     """Rows, overrides, Hydra choices and config of a run directory (``config.yaml``, else ``.hydra/config.yaml``,
     else a ``distill.evaluate`` output's ``protocol.json``)."""
@@ -609,6 +618,12 @@ def report(paths: list[str | Path], out: Path) -> dict[str, Path]:
     runs = [load_run(d) for d in found]
     for job in skipped:
         print(f"distill.report: {job}: a Hydra job without {CSV_NAME} (failed or running), skipped", file=sys.stderr)
+    for run in runs:
+        unknown = unregistered_metrics(run.rows)
+        if unknown:
+            print(f"distill.report: {run.dir / CSV_NAME} holds metric(s) {unknown} that no registered metric names; "
+                  "they are left out of the report: name the module that registers them in DISTILL_PLUGINS (as "
+                  "for the run that measured them, e.g. DISTILL_PLUGINS=tests.examples.toy_metric)", file=sys.stderr)
     label_runs(runs)
     rows, lead = gather(runs)
     out.mkdir(parents=True, exist_ok=True)

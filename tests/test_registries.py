@@ -259,6 +259,13 @@ def test_a_metric_from_one_file_is_selectable_and_reaches_the_table(tmp_path):
     assert "| fid | toy |" in table and "bright(train, held-out) = " in table
     assert "bright=" in proc.stdout + proc.stderr
     assert json.loads((out / "protocol.json").read_text())["metrics"] == ["fid", "toy"]
+    # the cross-run report: with the plugin the column is there; without it, it is named as left out (not silent)
+    for plugins, kept in (("tests.examples.toy_metric", True), ("", False)):
+        report = run(["-m", "distill.report", str(out), "--out", str(tmp_path / f"report{kept}")], plugins=plugins)
+        assert report.returncode == 0, report.stderr[-3000:]
+        header = next(csv.reader(open(tmp_path / f"report{kept}" / "report.csv")))
+        assert ("toy" in header and "toy_replicates" in header) == kept
+        assert ("holds metric(s) ['toy'] that no registered metric names" in report.stderr) != kept
     without = run(["-m", "distill.evaluate", f"pipeline={pipe}", "eval.metrics=[fid,toy]", f"hydra.run.dir={out}2"],
                   env={"HOME": str(tmp_path)})
     assert without.returncode == 2 and "holds unknown ['toy']" in without.stderr
