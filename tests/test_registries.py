@@ -161,10 +161,17 @@ def test_a_name_is_registered_once():
     parts = Registry("widget")
     parts.register("a", colour="red")(int)
     parts.register("a")(int)  # the same part again (a module imported twice) is no conflict
-    with pytest.raises(ValueError, match=r"widget 'a' is already registered by builtins.int; pick another name"):
+    with pytest.raises(ValueError, match=r"widget 'a' is already registered by builtins.int; pick another name for "
+                                         r"builtins.float, or replace it with @WIDGETS.register\('a', replace=True\)"):
         parts.register("a")(float)
     assert parts.names() == ["a"] and parts.name_of(int) == "a" and parts.name_of(float) is None
     assert parts.unregister("a") is int and len(parts) == 0
+    # a replacement wins whichever comes first: a plugin is imported before the built-in module it replaces
+    parts.register("b", replace=True)(float)
+    assert parts.register("b")(int) is int and parts["b"] is float  # the built-in module, imported after
+    parts.register("c")(int)
+    parts.register("c", replace=True)(float)
+    assert parts["c"] is float
 
 
 def test_a_built_in_module_that_fails_to_import_fails_every_lookup():

@@ -37,27 +37,42 @@ class Registry:
         self.ordered = ordered  # names() in registration order (the metrics' column order) instead of sorted
         self._parts: dict[str, Any] = {}
         self._meta: dict[str, dict[str, Any]] = {}
+        self._replaced: set[str] = set()  # names a part took with replace=True: it stays against a later plain one
         self._loaded = False
         self._loading = False  # a lookup while the modules import (one of them reads it) sees the parts so far
 
     def register(self, name: str, *, replace: bool = False, **meta: Any) -> Callable[[Any], Any]:
+        """Decorator: ``part`` is this registry's ``name``. Another part under a taken name is an error, unless one
+        of the two is registered with ``replace=True``: that one is kept, whichever comes first (a plugin, imported
+        before the built-in modules, replaces a built-in part)."""
         if not name or not isinstance(name, str):
             raise ValueError(f"a {self.kind} needs a non-empty name; got {name!r}")
 
         def add(part: Any) -> Any:
             old = self._parts.get(name)
             if old is not None and old is not part and not replace and _qualname(old) != _qualname(part):
+                if name in self._replaced:
+                    return part  # the replacement registered first stays
                 raise ValueError(f"{self.kind} {name!r} is already registered by {_qualname(old)}; pick another name "
-                                 f"for {_qualname(part)} or pass replace=True")
+                                 f"for {_qualname(part)}, or replace it with @{self.plural.upper()}.register({name!r}, "
+                                 "replace=True)")
+            if replace:
+                self._replaced.add(name)
             self._parts[name] = part
             self._meta[name] = meta
             return part
 
         return add
 
+    @property
+    def plural(self) -> str:
+        """The kind in the plural, as the registries are named (family: FAMILIES)."""
+        return f"{self.kind[:-1]}ies" if self.kind.endswith("y") else f"{self.kind}s"
+
     def unregister(self, name: str) -> Any:
         """Remove ``name`` (a test's temporary part) and return it."""
         self._meta.pop(name, None)
+        self._replaced.discard(name)
         return self._parts.pop(name)
 
     def load(self) -> Registry:
@@ -80,9 +95,8 @@ class Registry:
     def get(self, name: str) -> Any:
         self.load()
         if name not in self._parts:
-            plural = f"{self.kind[:-1]}ies" if self.kind.endswith("y") else f"{self.kind}s"  # family: FAMILIES
             raise KeyError(f"unknown {self.kind} {name!r}; registered: {sorted(self._parts)}. Register one with "
-                           f"@{plural.upper()}.register({name!r}) in the module that defines it")
+                           f"@{self.plural.upper()}.register({name!r}) in the module that defines it")
         return self._parts[name]
 
     def meta(self, name: str) -> dict[str, Any]:
