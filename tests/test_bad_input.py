@@ -27,6 +27,13 @@ from tests.test_config import run_in_process
     (["+exp=compress", "method.cond_dropout=1.0"], r"method.cond_dropout=1.0 must be in \[0, 1\)"),
     (["+exp=compress", "method.task_weight=0", "method.output_weight=0", "method.feature_weight=0"],
      "nothing to train"),
+    # the student's size against the data's: in pixels, or through the VAE the method builds (found by its target)
+    (["student.sample_size=12"], "student.sample_size=12 differs from data.resolution=16"),
+    (["method=latent_diffusion", "student=text_unet", "student.sample_size=12", "student.cross_attention_dim=64"],
+     "student.sample_size=12 does not match data.resolution=16 / VAE factor 4; set student.sample_size=4"),
+    # a sharded trainer (one test of it, distill.methods.checks.is_sharded) with a method or student that cannot shard
+    (["+exp=progressive", "trainer=cpu_fsdp"], "trainer=fsdp does not run progressive distillation"),
+    (["+exp=consistency", "student=moe_timestep", "trainer=cpu_fsdp"], "trainer=fsdp with student .* each rank runs"),
 ])
 def test_bad_values_are_refused_at_validation_naming_the_key(compose, overrides, needle):
     cfg = compose(*overrides)

@@ -317,10 +317,11 @@ else:
 def test_keys_named_like_lcms_on_another_method_get_its_own_checks_only():
     """``key_twin`` (tests/examples/key_twin_method.py) has LCM's key names with values LCM refuses: it is valid; its
     own check refuses what it refuses; the command line selects it by its registered name."""
-    twin = ["method=key_twin", "method.num_ddim_timesteps=0", "method.sigma_data=0.7"]
+    twin = ["method=key_twin", "method.num_ddim_timesteps=0", "method.sigma_data=0.7", "method.vae=0.25"]
     proc = run(["-c", COMPOSE_AND_VALIDATE, *twin], plugins="tests.examples.key_twin_method")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "valid: tests.examples.key_twin_method.KeyTwin" in proc.stdout and "'ema_decay': 1.5" in proc.stdout
+    assert "'vae': 0.25" in proc.stdout  # a number under the name of latent diffusion's VAE (was an AttributeError)
     proc = run(["-m", "distill.train", *twin, "method.ema_decay=0.5"], plugins="tests.examples.key_twin_method")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "method.ema_decay=0.5 is key_twin's growth factor: it must be >= 1" in proc.stderr

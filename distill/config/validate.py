@@ -11,6 +11,7 @@ from __future__ import annotations
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from distill.methods.checks import is_sharded
 from distill.students import STUDENTS
 
 
@@ -37,8 +38,9 @@ def missing_keys(node, prefix: str = "") -> list[str]:
     return found
 
 
-def vae_factor(vae_cfg) -> int | None:
-    """Spatial down-sampling factor of a VAE config node, read from a local config.json (None if unknown)."""
+def vae_factor(vae_cfg, key: str) -> int | None:
+    """Spatial down-sampling factor of a VAE config node (at ``key``), read from a local config.json (None if
+    unknown)."""
     import json
     from pathlib import Path
 
@@ -48,22 +50,37 @@ def vae_factor(vae_cfg) -> int | None:
     config = Path(str(path)) / (vae_cfg.get("subfolder") or "") / "config.json"
     if not config.is_file():
         if Path(str(path)).exists():
-            raise ConfigError(f"method.vae.pretrained_model_name_or_path={str(path)!r} has no VAE config.json; point it at an AutoencoderKL folder")
+            raise ConfigError(f"{key}.pretrained_model_name_or_path={str(path)!r} has no VAE config.json; point it at an AutoencoderKL folder")
         return None
     return 2 ** (len(json.loads(config.read_text())["block_out_channels"]) - 1)
 
 
+VAE_TARGET = "diffusers.AutoencoderKL"  # a config node whose _target_ starts so builds the latent space's VAE
+
+
+def method_vae(method: DictConfig) -> tuple[str, DictConfig] | None:
+    """The method's setting that builds a VAE (its ``_target_`` is diffusers' AutoencoderKL, whatever the key is
+    called) and its key, or None: a method is recognised by what its settings build, not by their names."""
+    for key in method.keys() if isinstance(method, DictConfig) else ():
+        if OmegaConf.is_interpolation(method, key) or OmegaConf.is_missing(method, key):
+            continue
+        node = method[key]
+        if isinstance(node, DictConfig) and str(node.get("_target_", "")).startswith(VAE_TARGET):
+            return f"method.{key}", node
+    return None
+
+
 def _check_sizes(cfg: DictConfig) -> None:
     resolution, sample_size = cfg.data.resolution, cfg.student.sample_size
-    vae = cfg.method.get("vae") if "vae" in cfg.method else None
-    if vae is None:
+    found = method_vae(cfg.method)
+    if found is None:
         if sample_size != resolution:
             raise ConfigError(
                 f"student.sample_size={sample_size} differs from data.resolution={resolution}; "
                 "a pixel-space model samples at the data resolution"
             )
         return
-    factor = vae_factor(vae)
+    factor = vae_factor(found[1], found[0])
     if factor is None:
         return
     if resolution % factor:
@@ -93,7 +110,7 @@ def _check_teacher(cfg: DictConfig) -> None:
         check_pipeline_folder(path)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from err
-    factor = vae_factor({"pretrained_model_name_or_path": str(path), "subfolder": "vae"})
+    factor = vae_factor({"pretrained_model_name_or_path": str(path), "subfolder": "vae"}, "teacher")
     resolution = cfg.data.get("resolution")
     if factor and resolution and resolution % factor:
         raise ConfigError(
@@ -288,8 +305,7 @@ def validate(cfg: DictConfig) -> None:
         _check_sizes(cfg)
     if cfg.teacher and "pretrained_model_name_or_path" in cfg.teacher:
         _check_teacher(cfg)
-    strategy = cfg.trainer.get("strategy")
-    sharded = isinstance(strategy, DictConfig) and str(strategy.get("_target_", "")).endswith(".ShardedStrategy")
+    sharded = is_sharded(cfg)
     xla = is_xla(cfg.trainer.get("accelerator"))
     routed = _registration(STUDENTS, cfg.student).get("routed", False)
     if xla and routed:

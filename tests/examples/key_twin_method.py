@@ -1,5 +1,5 @@
 """A method whose settings are named like LCM's (``num_ddim_timesteps``, ``ema_decay``, ``sigma_data``, a guidance
-range) and mean something else. The config checks a method by its own class (``check_config``), never by the
+range) and latent diffusion's (``vae``, here a loss weight) and mean something else. The config checks a method by its own class (``check_config``), never by the
 names of its keys, so none of LCM's checks reach it; registered from this one file, it is an option of the method
 group::
 
@@ -19,11 +19,12 @@ from distill.methods.base import DistillMethod
 @METHODS.register("key_twin")
 class KeyTwin(DistillMethod):
     """Settings only: ``num_ddim_timesteps`` (0: none), ``ema_decay`` (a growth factor, >= 1), ``sigma_data`` and an
-    inverted guidance range, each of which LCM's checks would refuse."""
+    inverted guidance range, each of which LCM's checks would refuse; ``vae``, a number, is no VAE to check the
+    student's sample size against."""
 
     def __init__(self, student=None, optimizer: Callable | None = None, num_ddim_timesteps: int = 0,
                  ema_decay: float = 1.5, sigma_data: float = 0.7, guidance_scale_min: float = 8.0,
-                 guidance_scale_max: float = 4.0, sampling: dict | None = None):
+                 guidance_scale_max: float = 4.0, vae: float = 0.5, sampling: dict | None = None):
         super().__init__(optimizer)
 
     @classmethod
