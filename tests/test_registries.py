@@ -145,6 +145,20 @@ def test_an_unknown_name_is_refused_naming_the_registered_ones():
     assert f"'cache', expected one of [{', '.join(kinds)}]" in str(err.value.__cause__)
 
 
+def test_a_registered_accelerator_without_a_preset_file_is_a_preset_too():
+    """``accelerators=[none,reuse]`` (a sweep) and the quality-cost callback name presets: a registered kind
+    without a file of conf/accelerate is one with its defaults (it was refused, naming the files only)."""
+    from distill.accelerate import accelerator_options, preset
+    from tests.examples.toy_accelerator import ReuseOutput
+
+    assert accelerator_options("reuse") == {"kind": "reuse", "options": {}}
+    assert isinstance(preset("reuse"), ReuseOutput) and preset("reuse").interval == 2
+    assert accelerator_options("deepcache")["options"]["interval"] == 3  # a preset file first
+    with pytest.raises(ValueError, match=r"accelerator 'cache' is unknown; use one of the presets \['classifier', .*"
+                                         r"or the registered kinds \['classifier', 'deepcache', 'forecast', 'none'"):
+        preset("cache")
+
+
 def test_a_plugin_that_cannot_be_imported_is_named(monkeypatch):
     from distill.utils import registry
 

@@ -39,11 +39,15 @@ ACCELERATE_CONF = Path(__file__).resolve().parents[1] / "conf" / "accelerate"
 
 
 def accelerator_options(name: str) -> dict:
-    """The kind and ``options`` of the package's ``conf/accelerate/<name>.yaml`` (a named preset)."""
+    """The kind and ``options`` of the package's ``conf/accelerate/<name>.yaml`` (a named preset), else of the
+    registered kind ``name`` with its defaults (an accelerator of one's own, which has no preset file)."""
     path = ACCELERATE_CONF / f"{name}.yaml"
     if not path.is_file():
+        if name in ACCELERATORS:
+            return {"kind": name, "options": {}}
         presets = sorted(p.stem for p in ACCELERATE_CONF.glob("*.yaml"))
-        raise ValueError(f"accelerator {name!r} is unknown; use one of {presets}")
+        raise ValueError(f"accelerator {name!r} is unknown; use one of the presets {presets} or the registered "
+                         f"kinds {ACCELERATORS.names()}")
     node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # a guide named by ${distill.asset:...}
     return {"kind": node.get("kind", name), "options": dict(node.get("options") or {})}
 
