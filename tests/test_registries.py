@@ -159,13 +159,20 @@ def test_a_registered_accelerator_without_a_preset_file_is_a_preset_too():
         preset("cache")
 
 
-def test_a_plugin_that_cannot_be_imported_is_named(monkeypatch):
+def test_a_plugin_that_cannot_be_imported_is_named(monkeypatch, tmp_path):
     from distill.utils import registry
 
     monkeypatch.setenv("DISTILL_PLUGINS", " ,tests.examples.no_such_part")
     assert registry.plugin_modules() == ["tests.examples.no_such_part"]
     with pytest.raises(ImportError, match=r"DISTILL_PLUGINS=.* names 'tests.examples.no_such_part', which cannot be "
                                           r"imported \(No module named 'tests.examples.no_such_part'\)"):
+        registry.load_plugins()
+    # a plugin that is there but imports something that is not: the message says which of the two is missing
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "a_broken_plugin.py").write_text("import no_such_dependency_of_the_plugin\n")
+    monkeypatch.setenv("DISTILL_PLUGINS", "a_broken_plugin")
+    with pytest.raises(ImportError, match=r"the plugin 'a_broken_plugin' was found but an import in it failed "
+                                          r"\(No module named 'no_such_dependency_of_the_plugin'\)"):
         registry.load_plugins()
 
 

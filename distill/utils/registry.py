@@ -147,9 +147,13 @@ def load_plugins() -> list[str]:
         try:
             importlib.import_module(name)
         except ImportError as err:
-            raise ImportError(f"{PLUGINS_VARIABLE}={os.environ[PLUGINS_VARIABLE]!r} names {name!r}, which cannot be "
-                              f"imported ({err}); give dotted module names importable from sys.path, e.g. "
-                              f"{PLUGINS_VARIABLE}=tests.examples.toy_metric from the repository root") from err
+            missing = getattr(err, "name", None)
+            if isinstance(err, ModuleNotFoundError) and missing and (name + ".").startswith(missing + "."):
+                raise ImportError(f"{PLUGINS_VARIABLE}={os.environ[PLUGINS_VARIABLE]!r} names {name!r}, which cannot "
+                                  f"be imported ({err}); give dotted module names importable from sys.path, e.g. "
+                                  f"{PLUGINS_VARIABLE}=tests.examples.toy_metric from the repository root") from err
+            raise ImportError(f"{PLUGINS_VARIABLE}: the plugin {name!r} was found but an import in it failed ({err}); "
+                              "fix the plugin or install what it imports") from err
         _plugins_loaded.add(name)
     return names
 
