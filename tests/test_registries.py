@@ -159,6 +159,21 @@ def test_a_registered_accelerator_without_a_preset_file_is_a_preset_too():
         preset("cache")
 
 
+def test_a_registered_accelerator_is_an_option_of_the_accelerate_group():
+    """``accelerate=reuse`` (as ``method=key_twin``): a registered kind without a file of conf/accelerate is an
+    option with its defaults; without the plugin it is no option (Hydra names the ones there are)."""
+    code = ("import sys\nfrom hydra import compose, initialize_config_dir\n"
+            "from distill.config.schema import CONF, register_configs\nregister_configs()\n"
+            "with initialize_config_dir(config_dir=str(CONF), version_base='1.3'):\n"
+            "    cfg = compose(config_name='evaluate', overrides=sys.argv[1:])\n"
+            "print('composed:', cfg.accelerate.kind, dict(cfg.accelerate.options))\n")
+    proc = run(["-c", code, "pipeline=x", "accelerate=reuse", "+accelerate.options.interval=3"],
+               plugins="tests.examples.toy_accelerator")
+    assert proc.returncode == 0 and "composed: reuse {'interval': 3}" in proc.stdout, proc.stderr[-3000:]
+    without = run(["-c", code, "pipeline=x", "accelerate=reuse"])
+    assert without.returncode == 1 and "Could not find 'accelerate/reuse'" in without.stderr
+
+
 def test_a_plugin_that_cannot_be_imported_is_named(monkeypatch, tmp_path):
     from distill.utils import registry
 

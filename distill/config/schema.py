@@ -298,8 +298,10 @@ def register_configs() -> None:
     for group, nodes in SCHEMAS.items():
         for name, node in nodes.items():
             cs.store(group=group, name=f"base_{name}", node=node)
-    # a registered method or student without an option file of its own (a plugin's) is an option as it is
-    for group, nodes in (("method", METHOD_SCHEMAS), ("student", STUDENT_SCHEMAS)):
+    # a registered method, student or accelerator without an option file of its own (a plugin's) is an option as
+    # it is (an accelerator with its defaults: accelerate=<kind>)
+    accelerators = {kind.value: AccelerateConfig(kind=kind) for kind in AcceleratorKind}
+    for group, nodes in (("method", METHOD_SCHEMAS), ("student", STUDENT_SCHEMAS), ("accelerate", accelerators)):
         for name, node in nodes.items():
             if not (CONF / group / f"{name}.yaml").is_file():
                 cs.store(group=group, name=name, node=node)
