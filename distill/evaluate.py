@@ -56,17 +56,22 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         save_grid,
         write_csv,
     )
-    from distill.models.teacher import check_family, pipeline_configs
+    from distill.families.base import check_supported
+    from distill.inference.schedulers import check_scheduler_kind
+    from distill.models.teacher import pipeline_configs
 
     missing = missing_keys(cfg)
     if missing:
         raise ValueError(f"required value(s) missing: {', '.join(missing)}; set them on the command line, e.g. "
                          f"{missing[0]}=...")
-    check_family(cfg.pipeline, pipeline_configs(cfg.pipeline), key="pipeline")  # from its configs, before any weights
+    configs = pipeline_configs(cfg.pipeline)
+    check_supported(cfg.pipeline, configs, key="pipeline")  # from its configs, before any weights
     names = list(cfg.schedulers) if cfg.schedulers else [cfg.scheduler.name]
     for name in names:
         if name not in SCHEDULERS:
             raise ValueError(f"scheduler {name!r} is unknown; use one of {sorted(SCHEDULERS)}")
+        if configs["scheduler"]:  # a flow model samples with flow schedulers only, a VP one with VP schedulers
+            check_scheduler_kind(name, configs["scheduler"], key="schedulers" if cfg.schedulers else "scheduler")
     accelerators = _accelerators(cfg)  # built (options checked) before anything is loaded
     defaults = pipeline_defaults(cfg.pipeline)  # an export's intended call, for what the command line leaves out
     intended = {defaults["num_inference_steps"]} if "num_inference_steps" in defaults else set()

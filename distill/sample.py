@@ -61,7 +61,10 @@ def main(cfg: DictConfig) -> None:
         sys.exit(f"error: {err}")
     pipe.set_progress_bar_config(disable=True)
     if cfg.sampler is not None:
-        pipe.scheduler = make_scheduler(cfg.sampler, pipe.scheduler.config, **scheduler_options(cfg.sampler))
+        try:  # a scheduler of the model's kind (flow matching or discrete VP)
+            pipe.scheduler = make_scheduler(cfg.sampler, pipe.scheduler.config, **scheduler_options(cfg.sampler))
+        except ValueError as err:
+            sys.exit(f"error: sampler={cfg.sampler!r}: {err}")
     defaults = pipeline_defaults(cfg.pipeline)
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale",
                                                                                       call_defaults(pipe)[1])

@@ -272,38 +272,13 @@ def test_bad_input_is_refused_naming_the_value():
 # ---------------------------------------------------------------- the pipelines' own loops
 
 
-def _clip_with_projection(vocab: int, hidden: int, projection: int, seed: int):
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
-    torch.manual_seed(seed)
-    return CLIPTextModelWithProjection(CLIPTextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, projection_dim=projection,
-        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=8, bos_token_id=0, eos_token_id=1,
-        pad_token_id=1)).eval()
-
-
 @pytest.fixture(scope="module")
 def tiny_sd3(tmp_path_factory):
-    """StableDiffusion3Pipeline at reduced width: SD3Transformer2DModel with SD3.5's qk_norm and a dual-attention
-    layer, CLIP-L and CLIP-G stand-ins with projections, no T5, an AutoencoderKL with a shift_factor."""
-    from diffusers import AutoencoderKL, SD3Transformer2DModel, StableDiffusion3Pipeline
+    """StableDiffusion3Pipeline at reduced width (tests/sd3_tiny.py): SD3Transformer2DModel with SD3.5's qk_norm and a
+    dual-attention layer, CLIP-L and CLIP-G stand-ins with projections, no T5, an AutoencoderKL with a shift_factor."""
+    from tests.sd3_tiny import tiny_sd3_pipeline
 
-    from tests.sd_tiny import tiny_tokenizer
-
-    tokenizer = tiny_tokenizer(tmp_path_factory.mktemp("sd3") / "vocab")
-    torch.manual_seed(0)
-    transformer = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=48, caption_projection_dim=16, pooled_projection_dim=16,
-        pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,)).eval()
-    vae = AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 16, 16), latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-                        norm_num_groups=4, sample_size=32, scaling_factor=1.5305, shift_factor=0.0609)
-    return StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(**SD3), vae=vae,
-        text_encoder=_clip_with_projection(len(tokenizer), 16, 8, 1), tokenizer=tokenizer,
-        text_encoder_2=_clip_with_projection(len(tokenizer), 24, 8, 2), tokenizer_2=tokenizer,
-        text_encoder_3=None, tokenizer_3=None)
+    return tiny_sd3_pipeline(tmp_path_factory.mktemp("sd3") / "vocab", image_channels=3)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["shift3", "resolution_shift"])

@@ -93,11 +93,14 @@ def _check_sizes(cfg: DictConfig) -> None:
 
 
 def _check_teacher(cfg: DictConfig) -> None:
-    """A local teacher must be a SD-format pipeline with a supported prediction type, and the data
-    resolution must fit its VAE; hub ids are checked when loaded."""
+    """A local teacher must be of a family the chosen method serves (``check_method_serves``), a SD-format
+    pipeline with a supported prediction type, and the data resolution must fit its VAE; hub ids are checked when
+    loaded."""
     from pathlib import Path
 
-    from distill.models.teacher import check_pipeline_folder
+    from distill.families.base import check_method_serves
+    from distill.methods import METHODS
+    from distill.models.teacher import check_pipeline_folder, pipeline_configs
 
     path = Path(str(cfg.teacher.pretrained_model_name_or_path))
     if not path.exists():
@@ -107,6 +110,7 @@ def _check_teacher(cfg: DictConfig) -> None:
             )
         return
     try:
+        check_method_serves(path, pipeline_configs(path), METHODS.name_of(_part(cfg.method, "method")))
         check_pipeline_folder(path)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from err

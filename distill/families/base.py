@@ -30,11 +30,11 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from distill.diffusion import DiscreteVPSchedule
-from distill.models.teacher import Teacher, check_family, check_pipeline_folder, pipeline_configs
+from distill.diffusion import DiscreteVPSchedule, FlowMatchingSchedule
+from distill.models.teacher import Teacher, check_family, check_pipeline_folder, is_flow_matching, pipeline_configs
 from distill.utils.registry import Registry
 
-FAMILIES = Registry("family", ("distill.families.sd", "distill.families.class_unet"))
+FAMILIES = Registry("family", ("distill.families.sd", "distill.families.class_unet", "distill.families.sd3"))
 TEACHER_KEY = "teacher.pretrained_model_name_or_path"
 
 
@@ -46,6 +46,7 @@ class ModelFamily:
     conditioner_type: ClassVar[type] = nn.Module  # the conditioner this family conditions with
     pipeline_class: ClassVar[type | None] = None  # the diffusers pipeline class of its exports
     denoiser_component: ClassVar[str] = ""  # the pipeline component that is the denoiser ("unet", "transformer")
+    methods: ClassVar[tuple[str, ...] | None] = None  # the training methods (METHODS names) that serve it; None: all
 
     def __init__(self, scheduler, vae: nn.Module | None, conditioner: nn.Module):
         if not isinstance(conditioner, self.conditioner_type):
@@ -53,7 +54,8 @@ class ModelFamily:
                             f"{type(conditioner).__name__}")
         self.scheduler = scheduler
         self.scheduler_config = dict(scheduler.config)  # what every sampling scheduler is built from
-        self.schedule = DiscreteVPSchedule.from_scheduler(scheduler)
+        flow = is_flow_matching(dict(scheduler.config))  # FlowMatch* schedulers: t in [0, 1], the velocity
+        self.schedule = (FlowMatchingSchedule if flow else DiscreteVPSchedule).from_scheduler(scheduler)
         self.vae = vae.requires_grad_(False).eval() if vae is not None else None
         self.conditioner = conditioner
 
@@ -193,17 +195,41 @@ class ModelFamily:
 
 
 def detect_family(name_or_path: str | Path, configs: dict[str, dict], key: str = TEACHER_KEY) -> type[ModelFamily]:
-    """The registered family of a pipeline, from its configs (``pipeline_configs``); families distill does not run
-    yet are refused first, naming ``key`` (``check_family``)."""
-    check_family(name_or_path, configs, key)
+    """The registered family of a pipeline, from its configs (``pipeline_configs``); one that no family detects is
+    refused, first by ``check_family`` where it is of a kind distill does not run yet, naming ``key``."""
     found = [family for _, family in FAMILIES.items() if family.detect(configs)]
     if len(found) != 1:
-        what = configs["pipeline"].get("_class_name") or configs["unet"].get("_class_name") or "an unknown pipeline"
+        check_family(name_or_path, configs, key)
+        what = (configs["pipeline"].get("_class_name") or configs["unet"].get("_class_name")
+                or configs.get("transformer", {}).get("_class_name") or "an unknown pipeline")
         raise ValueError(f"{key}={str(name_or_path)!r} ({what}) is recognised by "
                          f"{[f.__name__ for f in found] or 'no registered model family'}; registered: "
                          f"{FAMILIES.names()}. Add a family in distill/families/ (@FAMILIES.register) whose "
                          "detect() recognises it")
     return found[0]
+
+
+def check_supported(name_or_path: str | Path, configs: dict[str, dict], key: str = TEACHER_KEY) -> None:
+    """Refuse, from its configs, a pipeline of a kind distill does not run yet (``check_family``), unless a
+    registered family detects it (SD3 is flow matching, and runs)."""
+    if not any(family.detect(configs) for _, family in FAMILIES.items()):
+        check_family(name_or_path, configs, key)
+
+
+def check_method_serves(name_or_path: str | Path, configs: dict[str, dict], method: str | None,
+                        key: str = TEACHER_KEY) -> None:
+    """Refuse, from the teacher's configs, a training ``method`` (its METHODS name) that cannot serve the teacher's
+    family (``ModelFamily.methods``), naming the family, the methods that can and what runs on it."""
+    found = [(name, family) for name, family in FAMILIES.items() if family.detect(configs)]
+    if len(found) != 1 or found[0][1].methods is None or method in found[0][1].methods:
+        return  # no family or several: detect_family reports it where the teacher loads
+    name, family = found[0]
+    can = f"the methods that can: {list(family.methods)}" if family.methods else "no training method serves it yet"
+    flow = is_flow_matching(configs["scheduler"])
+    raise ValueError(f"{key}={str(name_or_path)!r} is a {name!r} teacher ({family.__name__}"
+                     f"{', flow matching' if flow else ''}), which method={method!r} cannot train; {can}. What runs on "
+                     f"it: python -m distill.evaluate pipeline={name_or_path}"
+                     f"{' schedulers=[flow_euler]' if flow else ''} and python -m distill.sample pipeline={name_or_path}")
 
 
 def load_teacher(pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 
 
@@ -16,7 +17,16 @@ def load_pipeline(name_or_path: str):
     path = Path(name_or_path)
     if path.exists() and not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"pipeline={name_or_path!r} has no model_index.json; give a diffusers pipeline folder")
-    return DiffusionPipeline.from_pretrained(name_or_path)
+    return DiffusionPipeline.from_pretrained(name_or_path, **absent_components(name_or_path))
+
+
+def absent_components(name_or_path: str) -> dict:
+    """``{name: None}`` for each component a local pipeline folder's model_index.json records as absent ([null,
+    null]): an SD3 pipeline saved without T5 (``text_encoder_3``), which its class requires unless passed as None."""
+    index = Path(name_or_path) / "model_index.json"
+    if not index.is_file():
+        return {}
+    return {name: None for name, spec in json.loads(index.read_text()).items() if spec == [None, None]}
 
 
 def pipeline_defaults(name_or_path: str) -> dict:

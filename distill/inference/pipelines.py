@@ -30,6 +30,7 @@ from diffusers.utils.torch_utils import randn_tensor
 # this module is all that loading any distill export needs.
 import distill.compress.lowrank  # noqa: F401
 import distill.compress.prune  # noqa: F401
+import distill.families.sd3  # noqa: F401  (DistillSD3Pipeline, the SD3 family's export class)
 import distill.inference.schedulers  # noqa: F401
 import distill.models.moe  # noqa: F401
 import distill.models.precondition  # noqa: F401

@@ -16,6 +16,7 @@ from diffusers.schedulers.scheduling_utils import KarrasDiffusionSchedulers
 from omegaconf import OmegaConf
 
 from distill.diffusion import add_noise, alpha_sigma, ddim_step, to_x0_eps
+from distill.models.teacher import is_flow_matching
 
 SCHEDULERS: dict[str, str] = {
     "ddpm": "DDPMScheduler",
@@ -27,7 +28,22 @@ SCHEDULERS: dict[str, str] = {
     "lcm": "LCMScheduler",
     "tcd": "TCDScheduler",
     "cm": "CMStochasticIterativeScheduler",  # consistency models in EDM's parametrisation (iCT exports)
+    "flow_euler": "FlowMatchEulerDiscreteScheduler",  # flow matching (SD3, Flux): Euler on the shifted sigmas
 }
+FLOW_SCHEDULERS = tuple(name for name, cls in SCHEDULERS.items() if cls.startswith("FlowMatch"))
+
+
+def check_scheduler_kind(name: str, base_config: Any, key: str = "scheduler.name") -> None:
+    """A flow-matching model samples with a flow scheduler (``FLOW_SCHEDULERS``), a discrete VP one with any other:
+    ``from_config`` of the other kind's config would build a scheduler on a schedule the model was not trained on."""
+    flow_model, flow_scheduler = is_flow_matching(base_config), name in FLOW_SCHEDULERS
+    if flow_model and not flow_scheduler:
+        raise ValueError(f"{key}: {name!r} steps a discrete VP (DDPM-family) schedule, but the model is flow matching "
+                         f"({base_config.get('_class_name', 'a flow schedule')}); use one of {list(FLOW_SCHEDULERS)}")
+    if flow_scheduler and not flow_model:
+        raise ValueError(f"{key}: {name!r} is a flow-matching scheduler, but the model has a discrete VP schedule "
+                         f"({base_config.get('_class_name', 'DDPM-family')}); use one of "
+                         f"{sorted(set(SCHEDULERS) - set(FLOW_SCHEDULERS))}")
 
 
 # Pixel-space defaults of DDPM/DDIM (x0 clipped to [-1, 1], dynamic thresholding). A latent x0 is not in that
@@ -46,10 +62,12 @@ def unstated_pixel_options(cls: type, base_config: Any) -> dict[str, bool]:
 
 
 def make_scheduler(name: str, base_config: Any, **options: Any):
-    """``diffusers.<Class>.from_config(base_config, **options)`` for a scheduler ``name``; x0 clipping and
-    thresholding stay off unless ``base_config`` or ``options`` turn them on."""
+    """``diffusers.<Class>.from_config(base_config, **options)`` for a scheduler ``name`` of the model's kind
+    (``check_scheduler_kind``); x0 clipping and thresholding stay off unless ``base_config`` or ``options`` turn
+    them on."""
     if name not in SCHEDULERS:
         raise ValueError(f"scheduler.name={name!r} is unknown; use one of {sorted(SCHEDULERS)}")
+    check_scheduler_kind(name, base_config)
     cls = getattr(diffusers, SCHEDULERS[name])
     return cls.from_config(base_config, **{**unstated_pixel_options(cls, base_config), **options})
 

@@ -32,7 +32,7 @@ class NFECounter:
         if ran == "predicted":
             self.predicted += 1
             return
-        sample = args[0] if args else kwargs["sample"]
+        sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))  # a UNet's, a transformer's
         self.calls += 1
         self.cached += ran == "cached"
         self.examples += sample.shape[0]

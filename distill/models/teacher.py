@@ -40,13 +40,15 @@ class Teacher:
 
 
 def pipeline_configs(name_or_path: str | Path, revision: str | None = None) -> dict[str, dict]:
-    """model_index.json, the scheduler's and the UNet's config of a pipeline folder or hub id, by component
-    ("pipeline", "scheduler", "unet"; {} for a file it lacks). Only these JSON files are read (for a hub id,
-    downloaded): enough to tell the model family before any weights load."""
+    """model_index.json, the scheduler's and the denoiser's config of a pipeline folder or hub id, by component
+    ("pipeline", "scheduler", "unet", and "transformer" where model_index.json names one; {} for a file it lacks).
+    Only these JSON files are read (for a hub id, downloaded): enough to tell the model family before any weights
+    load."""
     files = {"pipeline": "model_index.json", "scheduler": "scheduler/scheduler_config.json", "unet": "unet/config.json"}
     path = Path(name_or_path)
     if path.exists():
-        return {k: json.loads((path / f).read_text()) if (path / f).is_file() else {} for k, f in files.items()}
+        configs = {k: json.loads((path / f).read_text()) if (path / f).is_file() else {} for k, f in files.items()}
+        return _with_transformer(configs, path, revision)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import EntryNotFoundError
 
@@ -56,6 +58,20 @@ def pipeline_configs(name_or_path: str | Path, revision: str | None = None) -> d
             configs[key] = json.loads(Path(hf_hub_download(str(name_or_path), name, revision=revision)).read_text())
         except EntryNotFoundError:
             configs[key] = {}
+    return _with_transformer(configs, name_or_path, revision)
+
+
+def _with_transformer(configs: dict[str, dict], name_or_path: str | Path, revision: str | None) -> dict[str, dict]:
+    """``configs`` with "transformer": the transformer's config of a pipeline whose model_index.json names one (a
+    DiT: SD3, Flux), else {}."""
+    configs["transformer"] = {}
+    if "transformer" in configs["pipeline"]:
+        path = Path(name_or_path) / "transformer" / "config.json"
+        if not Path(name_or_path).exists():
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(str(name_or_path), "transformer/config.json", revision=revision))
+        configs["transformer"] = json.loads(path.read_text()) if path.is_file() else {}
     return configs
 
 

@@ -1,0 +1,235 @@
+"""Stable Diffusion 3 / 3.5 (Esser et al. 2024): an ``SD3Transformer2DModel`` (MMDiT) predicting the flow velocity
+on ``FlowMatchEulerDiscreteScheduler``'s shifted schedule, conditioned on CLIP-L + CLIP-G (+ optional T5) token
+states and their pooled projections, ``AutoencoderKL`` latents with a ``shift_factor``.
+
+T5 is optional, as SD3 allows: a pipeline saved without ``text_encoder_3`` loads with it None, and its context
+then ends in ``max_sequence_length`` zero tokens, as ``StableDiffusion3Pipeline.encode_prompt`` pads them. SD3's
+default is 256 tokens (``SD3_MAX_SEQUENCE_LENGTH``); on tiny latents they dominate the transformer's cost, so the
+conditioner and the export take it as a setting (``max_sequence_length``).
+
+No training method serves this family yet (they step the discrete VP schedule at integer timesteps): a training
+run on an SD3 teacher is refused before anything loads; ``distill.evaluate`` and ``distill.sample`` run on it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import diffusers
+import torch
+from diffusers import StableDiffusion3Pipeline
+from torch import nn
+
+from distill.families.base import FAMILIES, ModelFamily
+from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
+
+SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length: T5 tokens (zeros without T5)
+SD3_NUM_INFERENCE_STEPS, SD3_GUIDANCE_SCALE = 28, 7.0  # StableDiffusion3Pipeline.__call__'s defaults
+T5_PARTS = ("text_encoder_3", "tokenizer_3")
+
+
+class SD3Conditioner(nn.Module):
+    """Captions -> ``{"encoder_hidden_states": (N, L + max_sequence_length, joint_dim), "pooled_projections":
+    (N, P_L + P_G)}`` as ``StableDiffusion3Pipeline.encode_prompt`` makes them: each CLIP's penultimate hidden states
+    (padded to ``tokenizer.model_max_length``, the first tokenizer's length for both), concatenated along the
+    features and zero-padded to the transformer's ``joint_dim``, followed by T5's ``max_sequence_length`` token
+    states (zeros without T5); the pooled projections of both CLIPs concatenated. The null condition is the empty
+    prompt "" (SD3's negative prompt). Embeddings are cached per distinct prompt, as ``TextConditioner`` caches."""
+
+    def __init__(self, text_encoder: nn.Module, tokenizer, text_encoder_2: nn.Module, tokenizer_2, joint_dim: int,
+                 text_encoder_3: nn.Module | None = None, tokenizer_3=None,
+                 max_sequence_length: int = SD3_MAX_SEQUENCE_LENGTH, cache: bool = True):
+        super().__init__()
+        if max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length={max_sequence_length} must be >= 1 (SD3's default: "
+                             f"{SD3_MAX_SEQUENCE_LENGTH} T5 tokens)")
+        if (text_encoder_3 is None) != (tokenizer_3 is None):
+            raise ValueError("text_encoder_3 and tokenizer_3 (T5) come together: give both or neither")
+        self.text_encoder = text_encoder.requires_grad_(False).eval()
+        self.text_encoder_2 = text_encoder_2.requires_grad_(False).eval()
+        self.text_encoder_3 = text_encoder_3.requires_grad_(False).eval() if text_encoder_3 is not None else None
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = tokenizer, tokenizer_2, tokenizer_3
+        self.joint_dim, self.max_sequence_length = joint_dim, max_sequence_length
+        self.cache_enabled = cache
+        self._cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.encoder_calls = 0  # prompts actually run through the encoders (the cache's misses)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for encoder in (self.text_encoder, self.text_encoder_2, self.text_encoder_3):
+            if encoder is not None:
+                encoder.eval()  # frozen: dropout stays off whatever the method's mode
+        return self
+
+    def _clip(self, encoder: nn.Module, tokenizer, prompts: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
+                        return_tensors="pt").input_ids.to(device)
+        out = encoder(ids, output_hidden_states=True)
+        return out.hidden_states[-2].to(self.text_encoder.dtype), out[0]  # penultimate states, pooled projection
+
+    def _t5(self, prompts: list[str], device) -> torch.Tensor:
+        if self.text_encoder_3 is None:
+            return torch.zeros(len(prompts), self.max_sequence_length, self.joint_dim, device=device,
+                               dtype=self.text_encoder.dtype)
+        ids = self.tokenizer_3(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                               add_special_tokens=True, return_tensors="pt").input_ids.to(device)
+        return self.text_encoder_3(ids)[0].to(self.text_encoder_3.dtype)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt_embeds (N, L + max_sequence_length, joint_dim), pooled (N, P)) for ``prompts``."""
+        device = next(self.text_encoder.parameters()).device
+        todo = [p for p in dict.fromkeys(prompts) if not (self.cache_enabled and p in self._cache)]
+        fresh = {}
+        if todo:
+            states_l, pooled_l = self._clip(self.text_encoder, self.tokenizer, todo, device)
+            states_g, pooled_g = self._clip(self.text_encoder_2, self.tokenizer_2, todo, device)
+            clip = torch.cat([states_l, states_g], dim=-1)
+            t5 = self._t5(todo, device)
+            clip = nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+            embeds, pooled = torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1)
+            self.encoder_calls += len(todo)
+            fresh = {p: (e, q) for p, e, q in zip(todo, embeds, pooled)}
+            if self.cache_enabled:
+                self._cache.update(fresh)
+        table = self._cache if self.cache_enabled else fresh
+        return (torch.stack([table[p][0].to(device) for p in prompts]),
+                torch.stack([table[p][1].to(device) for p in prompts]))
+
+    def forward(self, batch: dict, drop: torch.Tensor | None = None) -> dict:
+        prompts = list(batch["caption"])
+        if drop is not None:
+            prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
+        embeds, pooled = self.encode(prompts)
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+
+    def null(self, batch_size: int, device: torch.device | str = "cpu") -> dict:
+        embeds, pooled = self.encode([""] * batch_size)
+        return {"encoder_hidden_states": embeds.to(device), "pooled_projections": pooled.to(device)}
+
+    def _apply(self, fn, recurse=True):
+        self._cache.clear()  # cached tensors live on the old device/dtype
+        return super()._apply(fn, recurse)
+
+
+class DistillSD3Pipeline(StableDiffusion3Pipeline):
+    """A ``StableDiffusion3Pipeline`` whose call defaults are the exported model's: ``default_num_inference_steps``,
+    ``default_guidance_scale``, ``default_max_sequence_length`` (the T5 tokens, zeros without T5) and
+    ``guidance_distilled`` (no CFG pass is run; ``guidance_scale`` has no effect), registered in its config so that
+    ``model_index.json`` carries them. T5 (``text_encoder_3``, ``tokenizer_3``) is optional here, so that
+    ``DiffusionPipeline.from_pretrained(export)`` loads an export saved without it."""
+
+    _optional_components = [*StableDiffusion3Pipeline._optional_components, *T5_PARTS]
+
+    def __init__(self, transformer, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2,
+                 text_encoder_3=None, tokenizer_3=None, image_encoder=None, feature_extractor=None,
+                 default_num_inference_steps: int = SD3_NUM_INFERENCE_STEPS,
+                 default_guidance_scale: float = SD3_GUIDANCE_SCALE,
+                 default_max_sequence_length: int = SD3_MAX_SEQUENCE_LENGTH, guidance_distilled: bool = False):
+        super().__init__(transformer, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2,
+                         text_encoder_3, tokenizer_3, image_encoder, feature_extractor)
+        self.register_to_config(default_num_inference_steps=default_num_inference_steps,
+                                default_guidance_scale=default_guidance_scale,
+                                default_max_sequence_length=default_max_sequence_length,
+                                guidance_distilled=guidance_distilled)
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        return super().do_classifier_free_guidance and not self.config.guidance_distilled
+
+    @torch.no_grad()
+    def __call__(self, prompt=None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
+                 max_sequence_length: int | None = None, **kwargs):
+        """``StableDiffusion3Pipeline.__call__`` with the registered defaults for the step count, the guidance and
+        the T5 token count."""
+        return super().__call__(
+            prompt, num_inference_steps=num_inference_steps or self.config.default_num_inference_steps,
+            guidance_scale=self.config.default_guidance_scale if guidance_scale is None else guidance_scale,
+            max_sequence_length=max_sequence_length or self.config.default_max_sequence_length, **kwargs)
+
+
+setattr(diffusers, DistillSD3Pipeline.__name__, DistillSD3Pipeline)  # where from_pretrained resolves _class_name
+
+
+@FAMILIES.register("sd3")
+class StableDiffusion3Family(ModelFamily):
+    """SD3 / SD3.5; conditioning ``{"encoder_hidden_states", "pooled_projections"}`` (``SD3Conditioner``), the null
+    condition the empty prompt's; the flow-matching schedule of its scheduler (``FlowMatchingSchedule``: t in
+    [0, 1], the transformer's timestep 1000 t); exported as a ``DistillSD3Pipeline``."""
+
+    conditioner_type = SD3Conditioner
+    pipeline_class = DistillSD3Pipeline
+    denoiser_component = "transformer"
+    methods = ()  # every training method steps the discrete VP schedule at integer timesteps
+
+    @classmethod
+    def detect(cls, configs: dict[str, dict]) -> bool:
+        """An ``SD3Transformer2DModel`` on a flow-matching scheduler."""
+        return (configs.get("transformer", {}).get("_class_name") == "SD3Transformer2DModel"
+                and is_flow_matching(configs["scheduler"]))
+
+    @classmethod
+    def load(cls, pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,
+             torch_dtype: str | None = None, max_sequence_length: int = SD3_MAX_SEQUENCE_LENGTH) -> Teacher:
+        """``StableDiffusion3Pipeline.from_pretrained``, T5 None where the pipeline has none (its model_index.json
+        lacks ``text_encoder_3`` or records it as null), every network frozen."""
+        dtype = getattr(torch, torch_dtype) if torch_dtype else None
+        index = pipeline_configs(pretrained_model_name_or_path, revision)["pipeline"]
+        absent = {name: None for name in T5_PARTS if (index.get(name) or [None])[0] is None}
+        if Path(pretrained_model_name_or_path).exists():
+            missing = [name for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer",
+                                         "tokenizer_2", "scheduler") if not (Path(pretrained_model_name_or_path) / name).is_dir()]
+            if missing:
+                raise FileNotFoundError(f"teacher.pretrained_model_name_or_path={str(pretrained_model_name_or_path)!r} "
+                                        f"is an SD3 pipeline without {', '.join(m + '/' for m in missing)}; copy those "
+                                        "folders from the pipeline it was saved from")
+        pipe = StableDiffusion3Pipeline.from_pretrained(pretrained_model_name_or_path, revision=revision,
+                                                        variant=variant, torch_dtype=dtype, **absent)
+        for module in (pipe.transformer, pipe.vae):
+            module.requires_grad_(False).eval()
+        conditioner = SD3Conditioner(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2,
+                                     pipe.transformer.config.joint_attention_dim, pipe.text_encoder_3,
+                                     pipe.tokenizer_3, max_sequence_length)
+        return Teacher(pipe.transformer, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler,
+                       str(pretrained_model_name_or_path), {"revision": revision, "variant": variant, "torch_dtype": dtype},
+                       family=cls(pipe.scheduler, pipe.vae, conditioner))
+
+    def copy(self, cache_prompts: bool = True) -> StableDiffusion3Family:
+        """A new instance on the same frozen parts with its own prompt cache."""
+        c = self.conditioner
+        conditioner = SD3Conditioner(c.text_encoder, c.tokenizer, c.text_encoder_2, c.tokenizer_2, c.joint_dim,
+                                     c.text_encoder_3, c.tokenizer_3, c.max_sequence_length, cache=cache_prompts)
+        return type(self)(self.scheduler, self.vae, conditioner)
+
+    def denoise(self, network: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
+        """The transformer's velocity at (x, t) for flow time t in [0, 1] (a float or (N,)), its timestep input
+        ``schedule.timestep(t)`` = 1000 t as the pipeline passes it (``scheduler.timesteps``)."""
+        t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+        timestep = self.schedule.timestep(t.expand(len(x)) if t.ndim == 0 else t)
+        return network(hidden_states=x, timestep=timestep, **cond, **extra).sample
+
+    def example_inputs(self, network: nn.Module, n: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        c = network.config
+        return (torch.zeros(n, c.in_channels, c.sample_size, c.sample_size), torch.zeros(n),
+                {"encoder_hidden_states": torch.zeros(n, 1, c.joint_attention_dim),
+                 "pooled_projections": torch.zeros(n, c.pooled_projection_dim)})
+
+    @classmethod
+    def feature_blocks(cls, network: nn.Module, mid_block: bool = False) -> dict[str, nn.Module]:
+        """Every joint transformer block (``mid_block`` has no meaning for a transformer)."""
+        return {f"transformer_blocks.{i}": block for i, block in enumerate(network.transformer_blocks)}
+
+    def pipeline(self, network: nn.Module, scheduler, **call_defaults) -> DistillSD3Pipeline:
+        c = self.conditioner
+        call_defaults.setdefault("default_max_sequence_length", c.max_sequence_length)
+        pipe = DistillSD3Pipeline(
+            transformer=network, scheduler=scheduler, vae=self.vae, text_encoder=c.text_encoder,
+            tokenizer=c.tokenizer, text_encoder_2=c.text_encoder_2, tokenizer_2=c.tokenizer_2,
+            text_encoder_3=c.text_encoder_3, tokenizer_3=c.tokenizer_3, **call_defaults)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @classmethod
+    def matches(cls, pipe) -> bool:
+        """Any StableDiffusion3Pipeline (a distill export or diffusers' own)."""
+        return isinstance(pipe, StableDiffusion3Pipeline)
