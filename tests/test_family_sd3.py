@@ -207,11 +207,14 @@ def test_schedulers_of_the_other_kind_are_refused(teacher):
         make_scheduler("flow_euler", DDIMScheduler().config)
 
 
-def test_evaluate_runs_on_the_sd3_folder_and_refuses_a_vp_scheduler(sd3_dir, tmp_path):
+def _env(tmp_path) -> dict:
+    return {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+
+
+def test_evaluate_runs_on_the_sd3_folder(sd3_dir, tmp_path):
     """distill.evaluate pipeline=<sd3 dir> schedulers=[flow_euler] steps=[2]: the table's row, 2 transformer passes
-    per image at guidance 1; schedulers=[ddim] exits 2 before any weights load, naming the flow schedulers."""
-    out = tmp_path / "eval"
-    env = {**os.environ, "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    per image at guidance 1 (SD3's 256 zero T5 tokens: the stock pipeline's default)."""
+    out, env = tmp_path / "eval", _env(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "distill.evaluate", f"pipeline={sd3_dir}", "schedulers=[flow_euler]", "steps=[2]",
          "num_per_class=2", "cost_repeats=1", "model_name=sd3", "guidance_scale=1", f"hydra.run.dir={out}"],
@@ -220,6 +223,11 @@ def test_evaluate_runs_on_the_sd3_folder_and_refuses_a_vp_scheduler(sd3_dir, tmp
     (row,) = list(csv.DictReader(open(out / "quality_cost.csv")))
     assert (row["scheduler"], row["steps"], float(row["nfe"])) == ("flow_euler", "2", 2.0)
     assert float(row["fid"]) > 0 and float(row["gflops_per_image"]) > 0 and 0 <= float(row["prompt_accuracy"]) <= 1
+
+
+def test_evaluate_refuses_a_vp_scheduler_on_the_flow_teacher(sd3_dir, tmp_path):
+    """schedulers=[ddim] exits 2 before any weights load, naming the flow schedulers."""
+    env = _env(tmp_path)
     bad = subprocess.run(
         [sys.executable, "-m", "distill.evaluate", f"pipeline={sd3_dir}", "schedulers=[ddim]", "steps=[2]",
          f"hydra.run.dir={tmp_path / 'bad'}"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
