@@ -45,8 +45,9 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
 
     from distill.config.schema import EVALUATE_STEPS
     from distill.config.validate import missing_keys
+    from distill.families.base import check_supported
     from distill.inference.loading import call_defaults, load_pipeline, pipeline_defaults
-    from distill.inference.schedulers import SCHEDULERS
+    from distill.inference.schedulers import SCHEDULERS, check_scheduler_kind
     from distill.metrics.fid import describe
     from distill.metrics.quality_cost import PipelineSampler, build_evaluator
     from distill.metrics.report import (
@@ -56,8 +57,6 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         save_grid,
         write_csv,
     )
-    from distill.families.base import check_supported
-    from distill.inference.schedulers import check_scheduler_kind
     from distill.models.teacher import pipeline_configs
 
     missing = missing_keys(cfg)

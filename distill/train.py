@@ -117,6 +117,7 @@ def _instantiate_all(cfg: DictConfig):
     student = instantiate(cfg.student)
     extra = {"student": student, "sampling": OmegaConf.to_container(cfg.scheduler, resolve=True)}
     if cfg.teacher:  # teacher=none composes to an empty node
+        _check_method_serves_teacher(cfg)  # a hub teacher too, from its JSON configs, before its weights download
         extra["teacher"] = instantiate(cfg.teacher)
     # objects are passed after instantiation: Hydra would turn a dataclass argument into a config node
     method = instantiate(cfg.method, _partial_=True, _convert_="all")(**extra)
@@ -143,6 +144,21 @@ def _instantiate_all(cfg: DictConfig):
                 cfg.trainer.accumulate_grad_batches) if adopt is not None else {}
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[checkpoint_io], **own)
     return datamodule, method, trainer
+
+
+def _check_method_serves_teacher(cfg: DictConfig) -> None:
+    """The chosen method serves the teacher's model family (``distill.families.base.check_method_serves``); a
+    local teacher was checked at validation already, a hub id is checked here from its downloaded configs."""
+    from hydra.utils import get_object
+
+    from distill.families.base import check_method_serves
+    from distill.methods import METHODS
+    from distill.models.teacher import pipeline_configs
+
+    source = cfg.teacher.get("pretrained_model_name_or_path")
+    if source is not None and not Path(str(source)).exists():
+        configs = pipeline_configs(str(source), cfg.teacher.get("revision"))
+        check_method_serves(source, configs, METHODS.name_of(get_object(str(cfg.method._target_))))
 
 
 def _root_cause(err: BaseException) -> BaseException:

@@ -25,7 +25,12 @@ def clip_with_projection(vocab: int, hidden: int, projection: int, seed: int):
 
 def tiny_sd3_pipeline(vocab_folder: Path, image_channels: int = 1, scheduler=None, seed: int = 0):
     """The in-memory StableDiffusion3Pipeline (tokenizers written under ``vocab_folder``)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
 
     from tests.sd_tiny import tiny_tokenizer
 

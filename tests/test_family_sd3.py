@@ -20,7 +20,12 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, Stable
 from distill.diffusion import FlowMatchingSchedule
 from distill.families import FAMILIES, denoiser_of, family_of, load_teacher, native_size
 from distill.families.base import check_method_serves, detect_family
-from distill.families.sd3 import SD3_MAX_SEQUENCE_LENGTH, DistillSD3Pipeline, SD3Conditioner, StableDiffusion3Family
+from distill.families.sd3 import (
+    SD3_MAX_SEQUENCE_LENGTH,
+    DistillSD3Pipeline,
+    SD3Conditioner,
+    StableDiffusion3Family,
+)
 from distill.inference.schedulers import FLOW_SCHEDULERS, make_scheduler
 from distill.models.teacher import pipeline_configs
 from tests.conftest import ROOT, run_train
@@ -35,16 +40,16 @@ def sd3_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def teacher(sd3_dir):
-    return load_teacher(str(sd3_dir))
-
-
-@pytest.fixture(scope="module")
 def pipe(sd3_dir):
     """The stock pipeline on the same folder (T5 passed as None, as SD3 allows)."""
     pipe = StableDiffusion3Pipeline.from_pretrained(sd3_dir, text_encoder_3=None, tokenizer_3=None)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@pytest.fixture(scope="module")
+def teacher(sd3_dir):
+    return load_teacher(str(sd3_dir))
 
 
 def _family(teacher, max_sequence_length: int, text_encoder_3=None, tokenizer_3=None) -> StableDiffusion3Family:
@@ -258,3 +263,29 @@ def test_training_on_an_sd3_teacher_is_refused_before_any_compute(sd3_dir, tmp_p
             "no training method serves it yet") in proc.stderr
     assert "python -m distill.evaluate pipeline=" in proc.stderr and "python -m distill.sample" in proc.stderr
     assert not run_dir.exists()
+
+
+def test_a_hub_sd3_teacher_is_refused_from_its_configs_before_its_weights(sd3_dir, compose, monkeypatch):
+    """A hub id is not checked at validation (no network there); train checks it from the downloaded JSON files
+    before load_teacher fetches any weights."""
+    import huggingface_hub
+    from huggingface_hub.utils import EntryNotFoundError
+
+    from distill.train import _check_method_serves_teacher
+
+    fetched = []
+
+    def download(repo_id, filename, revision=None, **_):
+        fetched.append(filename)
+        if not (sd3_dir / filename).is_file():
+            raise EntryNotFoundError(f"{repo_id} has no {filename}")  # as the hub answers (SD3 has no unet/)
+        return str(sd3_dir / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(StableDiffusion3Pipeline, "from_pretrained",
+                        classmethod(lambda *a, **k: pytest.fail("weights loaded before the family check")))
+    cfg = compose("+exp=progressive", "teacher.pretrained_model_name_or_path=someone/sd3-medium")
+    with pytest.raises(ValueError, match="'someone/sd3-medium' is a 'sd3' teacher .*method='progressive' cannot"):
+        _check_method_serves_teacher(cfg)
+    assert fetched == ["model_index.json", "scheduler/scheduler_config.json", "unet/config.json",
+                       "transformer/config.json"]

@@ -31,7 +31,13 @@ import torch
 from torch import nn
 
 from distill.diffusion import DiscreteVPSchedule, FlowMatchingSchedule
-from distill.models.teacher import Teacher, check_family, check_pipeline_folder, is_flow_matching, pipeline_configs
+from distill.models.teacher import (
+    Teacher,
+    check_family,
+    check_pipeline_folder,
+    is_flow_matching,
+    pipeline_configs,
+)
 from distill.utils.registry import Registry
 
 FAMILIES = Registry("family", ("distill.families.sd", "distill.families.class_unet", "distill.families.sd3"))
