@@ -4,8 +4,8 @@ model once into one denoiser, torchtitan registers one package per model family)
 
 A family class is registered in ``FAMILIES`` (``@FAMILIES.register("sd")``) and knows, from a pipeline's JSON
 configs alone, whether a pipeline is one of its own (``detect``) and how to load it (``load``). A family
-instance is bound to one model's frozen parts: its noise scheduler (``schedule``, the one
-``DiscreteVPSchedule``), its VAE and its conditioner, and offers
+instance is bound to one model's frozen parts: its noise scheduler (``schedule``: a
+``DiscreteVPSchedule``, or a ``FlowMatchingSchedule`` for a FlowMatch* scheduler), its VAE and its conditioner, and offers
 
 - conditioning: ``condition(batch, drop)`` and ``null_condition(n, device)``, a dict of the network's keyword
   arguments (one or several encoders' states, pooled embeddings and extra ids all fit in it);

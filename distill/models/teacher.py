@@ -90,7 +90,8 @@ def check_family(name_or_path: str | Path, configs: dict[str, dict], key: str = 
         raise ValueError(
             f"{key}={str(name_or_path)!r} samples with {scheduler.get('_class_name', 'a flow-matching scheduler')} "
             "(flow matching), which distill does not support yet: its samplers and methods step discrete-time "
-            "VP (DDPM-family) schedules; give an SD-1.x/2.x pipeline")
+            "VP (DDPM-family) schedules; give an SD-1.x/2.x pipeline, or an SD3 one (an SD3Transformer2DModel in "
+            "transformer/: the sd3 family evaluates and samples it)")
     if ("text_encoder_2" in pipeline or str(pipeline.get("_class_name", "")).startswith("StableDiffusionXL")
             or unet.get("addition_embed_type") == "text_time"):
         raise ValueError(
