@@ -45,7 +45,7 @@ def _class_family(vae=None) -> ClassUNetFamily:
 
 
 def test_the_registry_lists_both_families():
-    assert {"sd", "class_unet"} <= set(FAMILIES.names())
+    assert {"sd", "sdxl", "class_unet"} <= set(FAMILIES.names())
     assert FAMILIES.get("sd") is StableDiffusionFamily and FAMILIES.get("class_unet") is ClassUNetFamily
 
 
@@ -62,15 +62,20 @@ def test_detect_picks_the_family_of_each_test_pipeline(tiny_sd, tmp_path):
         load_teacher(str(tmp_path / "cls"))
 
 
-@pytest.mark.parametrize("kind", ["flow", "sdxl_index", "sdxl_unet"])
-def test_detect_refuses_sdxl_and_flow_matching_with_their_messages(tmp_path, kind):
-    folder = {"flow": lambda: flow_matching(tmp_path / "f"),
-              "sdxl_index": lambda: configs_only(tmp_path / "x", pipeline=SDXL_INDEX),
-              "sdxl_unet": lambda: configs_only(tmp_path / "x", unet=SDXL_UNET)}[kind]()
-    message = "FlowMatchEulerDiscreteScheduler \\(flow matching\\)" if kind == "flow" else "is an SDXL pipeline"
-    with pytest.raises(ValueError, match=message):
+def test_detect_refuses_flow_matching_with_its_message(tmp_path):
+    folder = flow_matching(tmp_path / "f")
+    with pytest.raises(ValueError, match="FlowMatchEulerDiscreteScheduler \\(flow matching\\)"):
         detect_family(folder, pipeline_configs(folder))
     assert not StableDiffusionFamily.detect(pipeline_configs(folder))  # and the sd family would not claim it
+
+
+@pytest.mark.parametrize("kind", ["sdxl_index", "sdxl_unet"])
+def test_each_sign_of_sdxl_is_detected_as_the_sdxl_family_and_not_as_sd(tmp_path, kind):
+    from distill.families.sdxl import StableDiffusionXLFamily
+
+    folder = configs_only(tmp_path / "x", **({"pipeline": SDXL_INDEX} if kind == "sdxl_index" else {"unet": SDXL_UNET}))
+    assert detect_family(folder, pipeline_configs(folder)) is StableDiffusionXLFamily  # was: refused
+    assert not StableDiffusionFamily.detect(pipeline_configs(folder))
 
 
 def test_an_unknown_pipeline_names_the_registered_families(tmp_path):

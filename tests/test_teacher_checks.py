@@ -1,6 +1,6 @@
-"""Teachers and pipelines of families distill does not run yet (flow matching, SDXL) are refused from their
-configs alone, before any weights load, through the commands users call; and a plain pipeline is sampled with
-its own pipeline's default guidance."""
+"""Teachers and pipelines of families distill does not run yet (flow matching) are refused from their configs alone,
+before any weights load, through the commands users call; an SDXL folder without its second text encoder is refused
+naming it; and a plain pipeline is sampled with its own pipeline's default guidance."""
 
 import json
 import shutil
@@ -67,48 +67,56 @@ def test_a_flow_matching_pipeline_is_refused_by_evaluate(tmp_path):
     assert not (tmp_path / "eval" / "quality_cost.csv").exists()
 
 
-@pytest.mark.slow  # a process start (~15-50 s); test_each_sign_of_sdxl_is_refused_at_validation covers it in-process
-def test_an_sdxl_teacher_is_refused_by_train_before_any_weights_load(tmp_path):
+@pytest.mark.slow  # a process start (~15-50 s); test_an_sdxl_folder_without_its_second_text_encoder covers it in-process
+def test_an_sdxl_teacher_without_its_second_text_encoder_is_refused_by_train_before_any_weights_load(tmp_path):
     teacher = configs_only(tmp_path / "sdxl", pipeline=SDXL_INDEX, unet=SDXL_UNET)
     run_dir = tmp_path / "run"
     proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={teacher}", f"hydra.run.dir={run_dir}",
                      "logger=csv", timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]  # was: a crash at the first step (added_cond_kwargs None)
-    assert "is an SDXL pipeline (StableDiffusionXLPipeline" in proc.stderr and not run_dir.exists()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "names ['text_encoder_2', 'tokenizer_2'] but the folder has no text_encoder_2/, tokenizer_2/" in proc.stderr
+    assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("pipeline, unet", [(SDXL_INDEX, None), ({"text_encoder_2": SDXL_INDEX["text_encoder_2"]}, None),
-                                            (None, SDXL_UNET)])
-def test_each_sign_of_sdxl_is_refused_at_validation(compose, tmp_path, pipeline, unet):
+def test_an_sdxl_folder_without_its_second_text_encoder_is_refused_at_validation_naming_it(compose, tmp_path):
+    """SDXL is a family distill runs (tests/test_family_sdxl.py); model_index.json naming text_encoder_2 and
+    tokenizer_2 without their folders is refused before any weights load (was: 'is an SDXL pipeline')."""
     from distill.config.validate import ConfigError, validate
 
-    teacher = configs_only(tmp_path / "sdxl", pipeline=pipeline, unet=unet)
+    teacher = configs_only(tmp_path / "sdxl", pipeline=SDXL_INDEX, unet=SDXL_UNET)
     cfg = compose("+exp=consistency", f"teacher.pretrained_model_name_or_path={teacher}")
-    with pytest.raises(ConfigError, match="is an SDXL pipeline"):
+    with pytest.raises(ConfigError, match=r"names \['text_encoder_2', 'tokenizer_2'\] but the folder has no "):
         validate(cfg)
 
 
 def test_a_hub_teacher_is_checked_from_its_configs_before_its_weights(tmp_path, monkeypatch):
-    """A hub id: model_index.json and the scheduler and UNet configs are fetched; the weights never are."""
+    """A hub id: model_index.json and the scheduler and UNet configs are fetched; then the weights load through the
+    detected family's pipeline class (SDXL's here), never another's."""
     import diffusers
     import huggingface_hub
 
     from distill.families import load_teacher
 
     local = configs_only(tmp_path / "hub", pipeline=SDXL_INDEX, unet=SDXL_UNET)
-    fetched = []
+    fetched, loaded = [], []
 
     def download(repo_id, filename, revision=None, **_):
         fetched.append((repo_id, filename, revision))
         return str(local / filename)
 
+    def load_weights(cls, name, **options):
+        loaded.append((cls.__name__, name, options["revision"], len(fetched)))
+        raise RuntimeError("weights")
+
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     monkeypatch.setattr(diffusers.StableDiffusionPipeline, "from_pretrained",
-                        classmethod(lambda *a, **k: pytest.fail("weights loaded before the family check")))
-    with pytest.raises(ValueError, match="'someone/sdxl-base' is an SDXL pipeline"):
+                        classmethod(lambda *a, **k: pytest.fail("loaded by the SD family")))
+    monkeypatch.setattr(diffusers.StableDiffusionXLPipeline, "from_pretrained", classmethod(load_weights))
+    with pytest.raises(RuntimeError, match="weights"):
         load_teacher("someone/sdxl-base", revision="main")
     assert [f for _, f, _ in fetched] == ["model_index.json", "scheduler/scheduler_config.json", "unet/config.json"]
     assert {(r, v) for r, _, v in fetched} == {("someone/sdxl-base", "main")}
+    assert loaded == [("StableDiffusionXLPipeline", "someone/sdxl-base", "main", 3)]  # after the three configs
 
 
 def test_a_teacher_folder_without_its_tokenizer_folder_is_refused_naming_it(compose, tmp_path):

@@ -40,7 +40,8 @@ from distill.models.teacher import (
 )
 from distill.utils.registry import Registry
 
-FAMILIES = Registry("family", ("distill.families.sd", "distill.families.class_unet", "distill.families.sd3"))
+FAMILIES = Registry("family", ("distill.families.sd", "distill.families.sdxl", "distill.families.class_unet",
+                                "distill.families.sd3"))
 TEACHER_KEY = "teacher.pretrained_model_name_or_path"
 
 

@@ -99,7 +99,7 @@ class TeacherStudentDistillation(DistillMethod):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
-        frozen = ("vae.", "conditioner.text_encoder.") + (("teacher_unet.",) if self.teacher_reloads else ())
+        frozen = ("vae.", "conditioner.") + (("teacher_unet.",) if self.teacher_reloads else ())
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith(frozen)]:
             if not (self.is_lora and "lora" in key):
@@ -236,12 +236,13 @@ class TeacherStudentDistillation(DistillMethod):
         pipe = self.pipeline()
         student = self.save_pipeline(pipe, out_dir)
         defaults = self.call_defaults()
+        checker = getattr(pipe, "safety_checker", None)  # SDXL pipelines have none
         info = {"method": self.method_name, "teacher": self.teacher_source, "student": student,
                 "pipeline": type(pipe).__name__,
                 "sampling": call_info(self.sampling["name"], type(pipe.scheduler).__name__,
                                       defaults["default_num_inference_steps"],
                                       defaults["default_guidance_scale"], cfg_pass=self.cfg_pass(defaults)),
                 "guidance": self.guidance_note(), "guidance_distilled": defaults["guidance_distilled"],
-                "safety_checker": type(pipe.safety_checker).__name__ if pipe.safety_checker is not None else None,
+                "safety_checker": type(checker).__name__ if checker is not None else None,
                 **self.export_info()}
         return write_export_info(out_dir, info)

@@ -56,7 +56,7 @@ class TextConditioner(nn.Module):
         self.tokenizer = tokenizer
         self.max_length = max_length or tokenizer.model_max_length
         self.cache_enabled = cache
-        self._cache: dict[str, torch.Tensor] = {}
+        self._cache: dict[str, tuple[torch.Tensor, ...]] = {}
         self.encoder_calls = 0  # prompts actually run through the encoder (the cache's misses)
 
     def train(self, mode: bool = True):
@@ -64,21 +64,31 @@ class TextConditioner(nn.Module):
         self.text_encoder.eval()  # frozen: dropout stays off whatever the method's mode
         return self
 
+    def run_encoder(self, prompts: list[str]) -> tuple[torch.Tensor, ...]:
+        """The encoder's outputs for distinct ``prompts``, each (M, ...) with a row per prompt: here the last hidden
+        states (M, L, D); a conditioner with several outputs a prompt returns them all (one cache entry each)."""
+        device = next(self.text_encoder.parameters()).device
+        tokens = self.tokenizer(prompts, padding="max_length", max_length=self.max_length, truncation=True, return_tensors="pt")
+        return (self.text_encoder(tokens.input_ids.to(device))[0],)
+
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> torch.Tensor:
-        """(N, L, D) last hidden states for ``prompts``."""
+    def encode_all(self, prompts: list[str]) -> tuple[torch.Tensor, ...]:
+        """Every output of ``run_encoder`` for ``prompts`` (N rows each), from the cache where it has them."""
         device = next(self.text_encoder.parameters()).device
         todo = [p for p in dict.fromkeys(prompts) if p not in self._cache] if self.cache_enabled else list(dict.fromkeys(prompts))
         fresh = {}
         if todo:
-            tokens = self.tokenizer(todo, padding="max_length", max_length=self.max_length, truncation=True, return_tensors="pt")
-            hidden = self.text_encoder(tokens.input_ids.to(device))[0]  # (M, L, D)
+            outputs = self.run_encoder(todo)
             self.encoder_calls += len(todo)
-            fresh = dict(zip(todo, hidden))
+            fresh = {p: tuple(out[i] for out in outputs) for i, p in enumerate(todo)}
             if self.cache_enabled:
                 self._cache.update(fresh)
         table = self._cache if self.cache_enabled else fresh
-        return torch.stack([table[p].to(device) for p in prompts])
+        return tuple(torch.stack([table[p][k].to(device) for p in prompts]) for k in range(len(table[prompts[0]])))
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """(N, L, D) last hidden states for ``prompts``."""
+        return self.encode_all(prompts)[0]
 
     def forward(self, batch: dict, drop: torch.Tensor | None = None) -> dict:
         prompts = list(batch["caption"])

@@ -12,6 +12,7 @@ from torch import nn
 from distill.diffusion.parametrization import PREDICTION_TYPES
 
 REQUIRED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+SECOND_TEXT_ENCODER = ("text_encoder_2", "tokenizer_2")  # SDXL's CLIP-G tower, required where model_index.json names it
 SAFETY_COMPONENTS = ("safety_checker", "feature_extractor")  # what a stock SD pipeline runs on its images
 
 
@@ -82,21 +83,15 @@ def is_flow_matching(scheduler_config: dict) -> bool:
 
 
 def check_family(name_or_path: str | Path, configs: dict[str, dict], key: str = "teacher.pretrained_model_name_or_path") -> None:
-    """Refuse, from the configs alone (``pipeline_configs``), a pipeline of a family distill does not run yet:
-    flow matching (its schedule is not the discrete VP one every sampler and method here steps) and SDXL (two
-    text encoders and micro-conditioning the UNet needs at every call)."""
-    scheduler, pipeline, unet = configs["scheduler"], configs["pipeline"], configs["unet"]
+    """Refuse, from the configs alone (``pipeline_configs``), a pipeline of a family distill does not run yet: flow
+    matching (its schedule is not the discrete VP one every sampler and method here steps)."""
+    scheduler = configs["scheduler"]
     if is_flow_matching(scheduler):
         raise ValueError(
             f"{key}={str(name_or_path)!r} samples with {scheduler.get('_class_name', 'a flow-matching scheduler')} "
             "(flow matching), which distill does not support yet: its samplers and methods step discrete-time "
-            "VP (DDPM-family) schedules; give an SD-1.x/2.x pipeline, or an SD3 one (an SD3Transformer2DModel in "
-            "transformer/: the sd3 family evaluates and samples it)")
-    if ("text_encoder_2" in pipeline or str(pipeline.get("_class_name", "")).startswith("StableDiffusionXL")
-            or unet.get("addition_embed_type") == "text_time"):
-        raise ValueError(
-            f"{key}={str(name_or_path)!r} is an SDXL pipeline ({pipeline.get('_class_name', 'text_time UNet')}: two "
-            "text encoders, micro-conditioning), which distill does not support yet; give an SD-1.x/2.x pipeline")
+            "VP (DDPM-family) schedules; give an SD-1.x/2.x or SDXL pipeline, or an SD3 one (an SD3Transformer2DModel "
+            "in transformer/: the sd3 family evaluates and samples it)")
 
 
 def check_pipeline_folder(path: str | Path) -> dict:
@@ -115,7 +110,8 @@ def check_pipeline_folder(path: str | Path) -> dict:
     missing = [k for k in REQUIRED if k not in spec]
     if missing:
         raise ValueError(f"teacher pipeline {str(path)!r} lacks {missing}; a Stable-Diffusion-format pipeline has {list(REQUIRED)}")
-    absent = [k for k in REQUIRED if not (path / k).is_dir()]
+    required = REQUIRED + tuple(k for k in SECOND_TEXT_ENCODER if (spec.get(k) or [None])[0] is not None)
+    absent = [k for k in required if not (path / k).is_dir()]
     if absent:
         raise FileNotFoundError(
             f"teacher.pretrained_model_name_or_path={str(path)!r}: model_index.json names {absent} but the folder has "

@@ -1,0 +1,135 @@
+"""The SDXL family on a random-weight SDXL stand-in (two CLIP towers, the second with a projection; a text_time
+UNet; saved by StableDiffusionXLPipeline.save_pretrained): its conditioning equals the pipeline's own encode_prompt
+and _get_add_time_ids, its denoise the pipeline's UNet call, its exports sample as the stock pipeline does in a
+process without distill, and the commands users call run on it."""
+
+import json
+
+import pytest
+import torch
+from diffusers import StableDiffusionXLPipeline
+
+from distill.families import FAMILIES, denoiser_of, family_of, load_teacher, native_size
+from distill.families.sdxl import SDXLConditioner, StableDiffusionXLFamily
+from distill.inference.pipelines import DistillStableDiffusionXLPipeline
+from distill.models.conditioning import concat_conditions, take_conditions
+from distill.models.teacher import pipeline_configs
+from tests.sd_tiny import write_tiny_sdxl
+
+PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
+
+
+@pytest.fixture(scope="module")
+def sdxl(tmp_path_factory):
+    return write_tiny_sdxl(tmp_path_factory.mktemp("sdxl") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def teacher(sdxl):
+    return load_teacher(str(sdxl))
+
+
+@pytest.fixture(scope="module")
+def stock(sdxl):
+    pipe = StableDiffusionXLPipeline.from_pretrained(sdxl)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def batch_of(prompts, size=32):
+    return {"caption": list(prompts), "pixel_values": torch.zeros(len(prompts), 1, size, size)}
+
+
+def test_the_stand_in_has_sdxls_layout_and_is_detected_as_sdxl(sdxl, teacher):
+    index = json.loads((sdxl / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionXLPipeline"
+    assert index["text_encoder"][1] == "CLIPTextModel" and index["text_encoder_2"][1] == "CLIPTextModelWithProjection"
+    unet = teacher.unet.config
+    assert unet.addition_embed_type == "text_time"
+    assert unet.projection_class_embeddings_input_dim == 6 * unet.addition_time_embed_dim + 24
+    assert unet.cross_attention_dim == 16 + 32  # CLIP-L stand-in's width + CLIP-G stand-in's
+    assert FAMILIES.get("sdxl") is StableDiffusionXLFamily
+    assert isinstance(teacher.family, StableDiffusionXLFamily)
+    assert isinstance(teacher.family.conditioner, SDXLConditioner)
+    assert teacher.denoiser is teacher.unet and all(not p.requires_grad for p in teacher.unet.parameters())
+
+
+def test_the_sd_family_does_not_claim_an_sdxl_pipeline(sdxl):
+    from distill.families import detect_family
+
+    assert detect_family(sdxl, pipeline_configs(sdxl)) is StableDiffusionXLFamily
+
+
+def test_the_condition_is_encode_prompts_embeddings_and_the_pipelines_time_ids_bit_for_bit(teacher, stock):
+    cond = teacher.family.condition(batch_of(PROMPTS))
+    embeds, negative, pooled, negative_pooled = stock.encode_prompt(PROMPTS, device="cpu",
+                                                                    do_classifier_free_guidance=True)
+    assert torch.equal(cond["encoder_hidden_states"], embeds) and cond["encoder_hidden_states"].shape == (2, 8, 48)
+    assert torch.equal(cond["text_embeds"], pooled) and pooled.shape == (2, 24)
+    ids = stock._get_add_time_ids((32, 32), (0, 0), (32, 32), dtype=embeds.dtype, text_encoder_projection_dim=24)
+    assert torch.equal(cond["time_ids"], ids.repeat(2, 1)) and ids.tolist() == [[32.0, 32.0, 0.0, 0.0, 32.0, 32.0]]
+    # the null condition is the pipeline's negative: force_zeros_for_empty_prompt (SDXL-base's) gives zeros
+    null = teacher.family.null_condition(2)
+    assert stock.config.force_zeros_for_empty_prompt
+    assert torch.equal(null["encoder_hidden_states"], negative) and torch.equal(null["text_embeds"], negative_pooled)
+    assert negative.abs().sum() == 0 and torch.equal(null["time_ids"], cond["time_ids"])
+
+
+def test_time_ids_follow_the_batch_images_or_cached_latents_size(teacher):
+    conditioner = teacher.family.conditioner
+    assert conditioner.time_ids(*conditioner.image_size(batch_of(PROMPTS, 64)), 1).tolist() == [[64, 64, 0, 0, 64, 64]]
+    latents = {"caption": PROMPTS, "latent_mean": torch.zeros(2, 4, 12, 8)}
+    assert teacher.family.condition(latents)["time_ids"][0].tolist() == [48, 32, 0, 0, 48, 32]
+    with pytest.raises(ValueError, match="needs 'pixel_values' or 'latent_mean'"):
+        teacher.family.condition({"caption": PROMPTS})
+
+
+def test_without_force_zeros_the_null_condition_is_the_empty_prompts(tmp_path):
+    folder = write_tiny_sdxl(tmp_path / "pipe", force_zeros_for_empty_prompt=False)
+    family = load_teacher(str(folder)).family
+    stock = StableDiffusionXLPipeline.from_pretrained(folder)
+    # the empty prompt is encoded once (cached) and repeated: compared with the pipeline's one-row negative, as
+    # a batch of two rows of the projection can differ in the last bit from one
+    _, negative, _, negative_pooled = stock.encode_prompt(PROMPTS[:1], device="cpu", do_classifier_free_guidance=True)
+    null = family.null_condition(2)
+    assert negative.abs().sum() > 0
+    assert torch.equal(null["encoder_hidden_states"], negative.repeat(2, 1, 1))
+    assert torch.equal(null["text_embeds"], negative_pooled.repeat(2, 1))
+    # CFG dropout: dropped rows get the null condition, the others keep theirs
+    cond = family.condition(batch_of(PROMPTS), drop=torch.tensor([True, False]))
+    full = family.condition(batch_of(PROMPTS))
+    for key in ("encoder_hidden_states", "text_embeds"):
+        assert torch.equal(cond[key][0], null[key][0]) and torch.equal(cond[key][1], full[key][1])
+
+
+def test_denoise_is_the_pipelines_unet_call_and_conditions_stack_and_index(teacher):
+    family = teacher.family
+    cond, null = family.condition(batch_of(PROMPTS)), family.null_condition(2)
+    x, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([999, 400])
+    direct = teacher.unet(x, t, encoder_hidden_states=cond["encoder_hidden_states"],
+                          added_cond_kwargs={"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}).sample
+    assert torch.equal(family.denoise(teacher.unet, x, t, cond), direct)
+    both = family.denoise(teacher.unet, torch.cat([x, x]), torch.cat([t, t]), concat_conditions(cond, null))
+    assert torch.allclose(both[:2], direct, atol=1e-5)
+    assert not torch.allclose(both[2:], direct, atol=1e-3)  # the null condition changes the output
+    row = family.denoise(teacher.unet, x[1:], t[1:], take_conditions(cond, torch.tensor([1])))
+    assert torch.allclose(row, direct[1:], atol=1e-5)
+    x0, t0, c0 = family.example_inputs(teacher.unet, 3)
+    assert family.denoise(teacher.unet, x0, t0, c0).shape == (3, 4, 8, 8)
+
+
+def test_a_v_prediction_teacher_keeps_its_prediction_type(tmp_path):
+    teacher = load_teacher(str(write_tiny_sdxl(tmp_path / "pipe", prediction_type="v_prediction")))
+    assert teacher.family.prediction_type == "v_prediction" == teacher.family.schedule.prediction_type
+
+
+def test_the_family_pipeline_samples_as_the_stock_pipeline(teacher, stock):
+    pipe = teacher.family.pipeline(teacher.unet, teacher.family.default_scheduler(), default_num_inference_steps=3,
+                                   default_guidance_scale=2.0)
+    assert isinstance(pipe, DistillStableDiffusionXLPipeline) and family_of(pipe) is StableDiffusionXLFamily
+    assert family_of(stock) is StableDiffusionXLFamily and denoiser_of(pipe) is teacher.unet
+    assert native_size(pipe) == 32
+    ours = pipe(PROMPTS, generator=torch.Generator().manual_seed(0), output_type="pt").images
+    theirs = stock(PROMPTS, num_inference_steps=3, guidance_scale=2.0, height=32, width=32,
+                   generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert ours.shape == (2, 1, 32, 32) and torch.equal(ours, theirs)
