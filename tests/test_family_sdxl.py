@@ -3,17 +3,22 @@ UNet; saved by StableDiffusionXLPipeline.save_pretrained): its conditioning equa
 and _get_add_time_ids, its denoise the pipeline's UNet call, its exports sample as the stock pipeline does in a
 process without distill, and the commands users call run on it."""
 
+import csv
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from diffusers import StableDiffusionXLPipeline
+from diffusers import DiffusionPipeline, StableDiffusionXLPipeline
 
 from distill.families import FAMILIES, denoiser_of, family_of, load_teacher, native_size
 from distill.families.sdxl import SDXLConditioner, StableDiffusionXLFamily
 from distill.inference.pipelines import DistillStableDiffusionXLPipeline
 from distill.models.conditioning import concat_conditions, take_conditions
 from distill.models.teacher import pipeline_configs
+from tests.conftest import ROOT, run_train
 from tests.sd_tiny import write_tiny_sdxl
 
 PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
@@ -118,11 +123,6 @@ def test_denoise_is_the_pipelines_unet_call_and_conditions_stack_and_index(teach
     assert family.denoise(teacher.unet, x0, t0, c0).shape == (3, 4, 8, 8)
 
 
-def test_a_v_prediction_teacher_keeps_its_prediction_type(tmp_path):
-    teacher = load_teacher(str(write_tiny_sdxl(tmp_path / "pipe", prediction_type="v_prediction")))
-    assert teacher.family.prediction_type == "v_prediction" == teacher.family.schedule.prediction_type
-
-
 def test_the_family_pipeline_samples_as_the_stock_pipeline(teacher, stock):
     pipe = teacher.family.pipeline(teacher.unet, teacher.family.default_scheduler(), default_num_inference_steps=3,
                                    default_guidance_scale=2.0)
@@ -133,3 +133,99 @@ def test_the_family_pipeline_samples_as_the_stock_pipeline(teacher, stock):
     theirs = stock(PROMPTS, num_inference_steps=3, guidance_scale=2.0, height=32, width=32,
                    generator=torch.Generator().manual_seed(0), output_type="pt").images
     assert ours.shape == (2, 1, 32, 32) and torch.equal(ours, theirs)
+
+
+def test_a_v_prediction_teacher_samples_as_the_stock_pipeline(tmp_path):
+    folder = write_tiny_sdxl(tmp_path / "pipe", prediction_type="v_prediction")
+    family = load_teacher(str(folder)).family
+    assert family.prediction_type == "v_prediction" == family.schedule.prediction_type
+    pipe = family.pipeline(denoiser_of(StableDiffusionXLPipeline.from_pretrained(folder)), family.default_scheduler(),
+                           default_num_inference_steps=2, default_guidance_scale=3.0)
+    stock = StableDiffusionXLPipeline.from_pretrained(folder)
+    stock.set_progress_bar_config(disable=True)
+    ours = pipe(PROMPTS[:1], generator=torch.Generator().manual_seed(1), output_type="pt").images
+    theirs = stock(PROMPTS[:1], num_inference_steps=2, guidance_scale=3.0, height=32, width=32,
+                   generator=torch.Generator().manual_seed(1), output_type="pt").images
+    assert torch.equal(ours, theirs)
+
+
+# ---------------------------------------------------------------------- the commands, end to end
+
+SHORT = ["data.batch_size=4", "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "logger=csv",
+         "callbacks.samples=null", "callbacks.progress=null", "callbacks.lr_monitor=null", "callbacks.quality_cost=null",
+         "sample_grid_seeds=1", "trainer.max_steps=2", "trainer.val_check_interval=2", "checkpoint.every_n_train_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def trained(sdxl, tmp_path_factory):
+    """Two steps of latent consistency distillation of the stand-in (data.resolution 32: its native size)."""
+    run_dir = tmp_path_factory.mktemp("run") / "run"
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={sdxl}", "data.resolution=32", *SHORT,
+                     f"hydra.run.dir={run_dir}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_two_consistency_steps_export_an_sdxl_pipeline_that_from_pretrained_samples(trained):
+    export = trained / "export"
+    assert json.loads((export / "model_index.json").read_text())["_class_name"] == "DistillStableDiffusionXLPipeline"
+    info = json.loads((export / "distill.json").read_text())
+    assert info["pipeline"] == "DistillStableDiffusionXLPipeline" and info["safety_checker"] is None
+    assert info["sampling"]["class"] == "LCMScheduler" and info["sampling"]["num_inference_steps"] == 4
+    card = (export / "README.md").read_text()
+    assert "stock `StableDiffusionXLPipeline`" in card and "(50 steps, guidance 5.0)" in card
+    checkpoint = torch.load(trained / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert {k.split(".")[0] for k in checkpoint["state_dict"]} == {"student", "target"}  # no frozen text towers
+    pipe = DiffusionPipeline.from_pretrained(export)
+    assert type(pipe) is DistillStableDiffusionXLPipeline and pipe.unet.config.time_cond_proj_dim == 256
+    assert pipe.config.default_num_inference_steps == 4 and pipe.config.default_guidance_scale == 3.0
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a handwritten digit seven", generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert image.shape == (1, 1, 32, 32) and torch.isfinite(image).all()
+
+
+STOCK = """
+import sys
+import numpy as np
+import torch
+from diffusers import StableDiffusionXLPipeline
+
+pipe = StableDiffusionXLPipeline.from_pretrained(sys.argv[1])
+pipe.set_progress_bar_config(disable=True)
+images = pipe(["a handwritten digit seven", "a handwritten digit two"], num_inference_steps=4, guidance_scale=3.0,
+              generator=torch.Generator().manual_seed(0), output_type="np").images
+np.save(sys.argv[2], images)
+assert not any(name == "distill" or name.startswith("distill.") for name in sys.modules), "distill was imported"
+print(type(pipe).__name__, type(pipe.scheduler).__name__)
+"""
+
+
+def test_the_stock_sdxl_pipeline_without_distill_gives_the_exports_images(trained, tmp_path):
+    import numpy as np
+
+    (tmp_path / "stock.py").write_text(STOCK)
+    proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(trained / "export"), str(tmp_path / "x.npy")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["StableDiffusionXLPipeline", "LCMScheduler"]
+    pipe = DiffusionPipeline.from_pretrained(trained / "export")
+    pipe.set_progress_bar_config(disable=True)
+    ours = pipe(["a handwritten digit seven", "a handwritten digit two"], generator=torch.Generator().manual_seed(0),
+                output_type="np").images  # the registered call: 4 steps, guidance 3.0 as the w input
+    theirs = np.load(tmp_path / "x.npy")
+    assert ours.shape == theirs.shape == (2, 32, 32, 1)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_evaluate_runs_on_the_sdxl_stand_in(sdxl, tmp_path):
+    """A plain SDXL folder (no distill.json): sampled at StableDiffusionXLPipeline's own guidance 5.0 with CFG."""
+    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={sdxl}", "schedulers=[euler]",
+                           "steps=[2]", "num_per_class=1", "cost_repeats=1", "grids=false", "eval.num_prompts=2",
+                           f"hydra.run.dir={tmp_path / 'eval'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    protocol = json.loads((tmp_path / "eval" / "protocol.json").read_text())
+    assert protocol["guidance_scale"] == 5.0
+    (row,) = list(csv.DictReader(open(tmp_path / "eval" / "quality_cost.csv")))
+    assert row["scheduler"] == "euler" and float(row["nfe"]) == 4  # 2 steps, each a CFG pair
+    assert float(row["fid"]) > 0 and float(row["params_m"]) == pytest.approx(0.53, abs=0.01)

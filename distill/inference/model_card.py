@@ -70,9 +70,25 @@ def _stock_note(info: dict) -> str:
     guidance = 1.0 if info.get("guidance_distilled") else call["guidance_scale"]
     why = (" (the guidance is distilled: a larger value would add a CFG pass on top of it)"
            if info.get("guidance_distilled") else "")
-    return (f"\nWith diffusers' stock `StableDiffusionPipeline` (still after the import above, for distill's "
+    stock, steps, scale = stock_call(info.get("pipeline", "DistillTextToImagePipeline"))
+    return (f"\nWith diffusers' stock `{stock}` (still after the import above, for distill's "
             f"component classes), pass the call explicitly: `num_inference_steps={call['num_inference_steps']}, "
-            f"guidance_scale={guidance}`{why}; its own defaults (50 steps, guidance 7.5) are not this model's.\n")
+            f"guidance_scale={guidance}`{why}; its own defaults ({steps} steps, guidance {scale}) are not this model's.\n")
+
+
+def stock_call(pipeline: str) -> tuple[str, int, float]:
+    """The diffusers class a distill pipeline class (by name) subclasses, and that class's default step count and
+    guidance (StableDiffusionPipeline: 50, 7.5; StableDiffusionXLPipeline: 50, 5.0)."""
+    import inspect
+
+    import diffusers
+
+    import distill.inference.pipelines  # noqa: F401  (registers distill's classes with diffusers)
+
+    cls = getattr(diffusers, pipeline)
+    stock = next(c for c in cls.__mro__ if c.__module__.startswith("diffusers."))
+    params = inspect.signature(stock.__call__).parameters
+    return stock.__name__, params["num_inference_steps"].default, params["guidance_scale"].default
 
 
 def _safety_note(info: dict) -> str:
