@@ -61,8 +61,16 @@ def test_the_stand_in_has_sdxls_layout_and_is_detected_as_sdxl(sdxl, teacher):
 
 def test_the_sd_family_does_not_claim_an_sdxl_pipeline(sdxl):
     from distill.families import detect_family
+    from distill.families.sd import StableDiffusionFamily
 
     assert detect_family(sdxl, pipeline_configs(sdxl)) is StableDiffusionXLFamily
+    assert not StableDiffusionFamily.detect(pipeline_configs(sdxl))
+
+
+def test_teacher_sdxl_names_sdxl_base_on_the_hub(compose):
+    cfg = compose("+exp=consistency", "teacher=sdxl")
+    assert cfg.teacher.pretrained_model_name_or_path == "stabilityai/stable-diffusion-xl-base-1.0"
+    assert cfg.teacher._target_ == "distill.families.load_teacher"
 
 
 def test_the_condition_is_encode_prompts_embeddings_and_the_pipelines_time_ids_bit_for_bit(teacher, stock):
@@ -158,9 +166,11 @@ SHORT = ["data.batch_size=4", "trainer.limit_val_batches=1", "trainer.log_every_
 
 @pytest.fixture(scope="module")
 def trained(sdxl, tmp_path_factory):
-    """Two steps of latent consistency distillation of the stand-in (data.resolution 32: its native size)."""
+    """Two steps of latent consistency distillation of the stand-in (``teacher=sdxl`` with the folder; data.resolution
+    32: its native size)."""
     run_dir = tmp_path_factory.mktemp("run") / "run"
-    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={sdxl}", "data.resolution=32", *SHORT,
+    proc = run_train("+exp=consistency", "teacher=sdxl", f"teacher.pretrained_model_name_or_path={sdxl}",
+                     "data.resolution=32", *SHORT,
                      f"hydra.run.dir={run_dir}", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
