@@ -239,3 +239,36 @@ def test_evaluate_runs_on_the_sdxl_stand_in(sdxl, tmp_path):
     (row,) = list(csv.DictReader(open(tmp_path / "eval" / "quality_cost.csv")))
     assert row["scheduler"] == "euler" and float(row["nfe"]) == 4  # 2 steps, each a CFG pair
     assert float(row["fid"]) > 0 and float(row["params_m"]) == pytest.approx(0.53, abs=0.01)
+
+
+OTHER_METHODS = {
+    "progressive": ["+exp=progressive", "method.start_steps=4", "method.final_steps=2", "method.steps_per_round=2"],
+    "consistency_lora": ["+exp=consistency", "student=lora", "student.rank=4", "method.ema_decay=0"],
+    "feature_distillation": ["+exp=compress", "student=copy", "student.time_cond_proj_dim=null",
+                             "scheduler.num_inference_steps=2"],
+    "consistency_training": ["+exp=consistency_training"],
+}
+
+
+@pytest.mark.parametrize("run", sorted(OTHER_METHODS))
+def test_two_steps_of_every_other_method_export_a_pipeline_that_samples(sdxl, tmp_path, run):
+    """Progressive distillation, a LoRA consistency student (its adapters alone load into the stock teacher with
+    load_lora_weights and give the merged export's UNet), output + feature distillation, consistency training."""
+    proc = run_train(*OTHER_METHODS[run], "teacher=sdxl", f"teacher.pretrained_model_name_or_path={sdxl}",
+                     "data.resolution=32", *SHORT, f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "run" / "export")
+    assert type(pipe) is DistillStableDiffusionXLPipeline
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe("a handwritten digit four", generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert image.shape == (1, 1, 32, 32) and torch.isfinite(image).all()
+    if run == "consistency_lora":
+        stock = StableDiffusionXLPipeline.from_pretrained(sdxl)
+        stock.load_lora_weights(tmp_path / "run" / "export" / "lora")
+        family = load_teacher(str(sdxl)).family
+        x, t, cond = family.example_inputs(pipe.unet, 2)
+        x = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+        cond["encoder_hidden_states"] = torch.randn(2, 8, 48, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            merged, adapters = (family.denoise(unet, x, t + 500, cond) for unet in (pipe.unet, stock.unet))
+        torch.testing.assert_close(adapters, merged, rtol=0, atol=1e-5)
