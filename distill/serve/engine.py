@@ -271,6 +271,10 @@ class Engine:
             if not hasattr(pipe, name):
                 raise ValueError(f"{type(pipe).__name__} has no {name}: distill.serve serves text-to-image pipelines of "
                                  "the StableDiffusionPipeline layout (encode_prompt, a denoiser, vae, scheduler)")
+        if getattr(pipe, "text_encoder_2", None) is not None:  # SDXL: a pooled embedding and size ids at every call
+            raise ValueError(f"{type(pipe).__name__} is an SDXL pipeline, which distill.serve does not serve yet (its "
+                             "engine batches one text encoder's states); sample it with distill.sample or "
+                             "DiffusionPipeline.from_pretrained")
         self.pipe, self.mode = pipe, mode
         self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1e3
         self.timeout_s, self.max_steps = timeout_s, max_steps
