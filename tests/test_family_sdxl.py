@@ -250,6 +250,7 @@ OTHER_METHODS = {
 }
 
 
+@pytest.mark.slow  # four trainings (~25-40 s each); the consistency run above covers the family in the default suite
 @pytest.mark.parametrize("run", sorted(OTHER_METHODS))
 def test_two_steps_of_every_other_method_export_a_pipeline_that_samples(sdxl, tmp_path, run):
     """Progressive distillation, a LoRA consistency student (its adapters alone load into the stock teacher with
