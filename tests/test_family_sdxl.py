@@ -93,6 +93,11 @@ def test_time_ids_follow_the_batch_images_or_cached_latents_size(teacher):
     assert conditioner.time_ids(*conditioner.image_size(batch_of(PROMPTS, 64)), 1).tolist() == [[64, 64, 0, 0, 64, 64]]
     latents = {"caption": PROMPTS, "latent_mean": torch.zeros(2, 4, 12, 8)}
     assert teacher.family.condition(latents)["time_ids"][0].tolist() == [48, 32, 0, 0, 48, 32]
+    # CFG's null rows keep the size ids of the rows they pair with, as the pipeline's negative rows do
+    cond = teacher.family.condition(batch_of(PROMPTS, 64))
+    null = teacher.family.null_condition(2, like=cond)
+    assert torch.equal(null["time_ids"], cond["time_ids"]) and null["time_ids"][0, 0] == 64
+    assert teacher.family.null_condition(2)["time_ids"][0].tolist() == [32, 32, 0, 0, 32, 32]  # the native size
     with pytest.raises(ValueError, match="needs 'pixel_values' or 'latent_mean'"):
         teacher.family.condition({"caption": PROMPTS})
 

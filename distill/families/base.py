@@ -94,8 +94,9 @@ class ModelFamily:
         null condition (classifier-free guidance dropout, Ho & Salimans 2022)."""
         return self.conditioner(batch, drop)
 
-    def null_condition(self, n: int, device: torch.device | str = "cpu") -> dict:
-        """The null condition (of classifier-free guidance) for ``n`` rows."""
+    def null_condition(self, n: int, device: torch.device | str = "cpu", like: dict | None = None) -> dict:
+        """The null condition (of classifier-free guidance) for ``n`` rows; ``like``: the condition they pair with,
+        for a family whose null rows keep some of its entries (SDXL's size ids)."""
         return self.conditioner.null(n, device)
 
     # ------------------------------------------------------------------ latents

@@ -32,7 +32,8 @@ class SDXLConditioner(TextConditioner):
 
     The null condition (classifier-free guidance) is what the pipeline pairs with a prompt when no negative prompt
     is given: zeros where ``force_zeros_for_empty_prompt`` (SDXL-base's setting), else the empty prompt's states;
-    its time ids are those of the native image size ``native_size`` (the pipeline's default height and width).
+    its time ids are those of the native image size ``native_size`` (the pipeline's default height and width), or,
+    through the family's ``null_condition(like=cond)``, those of the condition it pairs with.
     Per-prompt embeddings are cached as ``TextConditioner``'s."""
 
     def __init__(self, text_encoder: nn.Module, tokenizer, text_encoder_2: nn.Module, tokenizer_2,
@@ -149,6 +150,12 @@ class StableDiffusionXLFamily(ModelFamily):
         conditioner = SDXLConditioner(c.text_encoder, c.tokenizer, c.text_encoder_2, c.tokenizer_2, c.vae_scale_factor,
                                       c.native_size, c.force_zeros_for_empty_prompt, cache=cache_prompts)
         return type(self)(self.scheduler, self.vae, conditioner)
+
+    def null_condition(self, n: int, device: torch.device | str = "cpu", like: dict | None = None) -> dict:
+        """The conditioner's null rows; paired with ``like``, they keep its size ids, as the pipeline's negative
+        rows keep the prompt's (``negative_add_time_ids = add_time_ids``) at any image size."""
+        null = self.conditioner.null(n, device)
+        return null if like is None else {**null, "time_ids": like["time_ids"]}
 
     def denoise(self, network: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
         """``network(x, t, encoder_hidden_states=..., added_cond_kwargs={"text_embeds", "time_ids"})``, as the

@@ -119,7 +119,8 @@ class TeacherStudentDistillation(DistillMethod):
 
     def text_conditions(self, batch: dict, n: int, device: torch.device) -> tuple[dict, dict]:
         """The family's conditioning of the batch's captions and its null condition (that of CFG)."""
-        return self.family.condition(batch), self.family.null_condition(n, device)
+        cond = self.family.condition(batch)
+        return cond, self.family.null_condition(n, device, like=cond)
 
     @torch.no_grad()
     def teacher_forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
