@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import DiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
 
 from distill.families import FAMILIES, denoiser_of, family_of, load_teacher, native_size
 from distill.families.sdxl import SDXLConditioner, StableDiffusionXLFamily
@@ -49,14 +49,14 @@ def test_the_stand_in_has_sdxls_layout_and_is_detected_as_sdxl(sdxl, teacher):
     index = json.loads((sdxl / "model_index.json").read_text())
     assert index["_class_name"] == "StableDiffusionXLPipeline"
     assert index["text_encoder"][1] == "CLIPTextModel" and index["text_encoder_2"][1] == "CLIPTextModelWithProjection"
-    unet = teacher.unet.config
+    unet = teacher.denoiser.config
     assert unet.addition_embed_type == "text_time"
     assert unet.projection_class_embeddings_input_dim == 6 * unet.addition_time_embed_dim + 24
     assert unet.cross_attention_dim == 16 + 32  # CLIP-L stand-in's width + CLIP-G stand-in's
     assert FAMILIES.get("sdxl") is StableDiffusionXLFamily
     assert isinstance(teacher.family, StableDiffusionXLFamily)
     assert isinstance(teacher.family.conditioner, SDXLConditioner)
-    assert teacher.denoiser is teacher.unet and all(not p.requires_grad for p in teacher.unet.parameters())
+    assert isinstance(teacher.denoiser, UNet2DConditionModel) and not any(p.requires_grad for p in teacher.denoiser.parameters())
 
 
 def test_the_sd_family_does_not_claim_an_sdxl_pipeline(sdxl):
@@ -124,23 +124,23 @@ def test_denoise_is_the_pipelines_unet_call_and_conditions_stack_and_index(teach
     family = teacher.family
     cond, null = family.condition(batch_of(PROMPTS)), family.null_condition(2)
     x, t = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0)), torch.tensor([999, 400])
-    direct = teacher.unet(x, t, encoder_hidden_states=cond["encoder_hidden_states"],
+    direct = teacher.denoiser(x, t, encoder_hidden_states=cond["encoder_hidden_states"],
                           added_cond_kwargs={"text_embeds": cond["text_embeds"], "time_ids": cond["time_ids"]}).sample
-    assert torch.equal(family.denoise(teacher.unet, x, t, cond), direct)
-    both = family.denoise(teacher.unet, torch.cat([x, x]), torch.cat([t, t]), concat_conditions(cond, null))
+    assert torch.equal(family.denoise(teacher.denoiser, x, t, cond), direct)
+    both = family.denoise(teacher.denoiser, torch.cat([x, x]), torch.cat([t, t]), concat_conditions(cond, null))
     assert torch.allclose(both[:2], direct, atol=1e-5)
     assert not torch.allclose(both[2:], direct, atol=1e-3)  # the null condition changes the output
-    row = family.denoise(teacher.unet, x[1:], t[1:], take_conditions(cond, torch.tensor([1])))
+    row = family.denoise(teacher.denoiser, x[1:], t[1:], take_conditions(cond, torch.tensor([1])))
     assert torch.allclose(row, direct[1:], atol=1e-5)
-    x0, t0, c0 = family.example_inputs(teacher.unet, 3)
-    assert family.denoise(teacher.unet, x0, t0, c0).shape == (3, 4, 8, 8)
+    x0, t0, c0 = family.example_inputs(teacher.denoiser, 3)
+    assert family.denoise(teacher.denoiser, x0, t0, c0).shape == (3, 4, 8, 8)
 
 
 def test_the_family_pipeline_samples_as_the_stock_pipeline(teacher, stock):
-    pipe = teacher.family.pipeline(teacher.unet, teacher.family.default_scheduler(), default_num_inference_steps=3,
+    pipe = teacher.family.pipeline(teacher.denoiser, teacher.family.default_scheduler(), default_num_inference_steps=3,
                                    default_guidance_scale=2.0)
     assert isinstance(pipe, DistillStableDiffusionXLPipeline) and family_of(pipe) is StableDiffusionXLFamily
-    assert family_of(stock) is StableDiffusionXLFamily and denoiser_of(pipe) is teacher.unet
+    assert family_of(stock) is StableDiffusionXLFamily and denoiser_of(pipe) is teacher.denoiser
     assert native_size(pipe) == 32
     ours = pipe(PROMPTS, generator=torch.Generator().manual_seed(0), output_type="pt").images
     theirs = stock(PROMPTS, num_inference_steps=3, guidance_scale=2.0, height=32, width=32,

@@ -108,6 +108,7 @@ class StableDiffusionXLFamily(ModelFamily):
 
     conditioner_type = SDXLConditioner
     pipeline_class = DistillStableDiffusionXLPipeline
+    denoiser_component = "unet"
 
     @classmethod
     def detect(cls, configs: dict[str, dict]) -> bool:
