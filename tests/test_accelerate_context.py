@@ -106,6 +106,20 @@ def test_the_context_records_what_ran_on_each_call():
     assert (counter.calls, counter.predicted) == (3, 4)
 
 
+def test_the_cost_meter_counts_a_transformer_called_by_keyword():
+    """SD3's and Flux's pipelines call their transformer with keywords only (``hidden_states=latents, ...``): the
+    meter counts the examples of the network's first input, whatever it is named, positional or keyword."""
+    class Transformer(torch.nn.Module):
+        def forward(self, hidden_states, timestep=None, encoder_hidden_states=None):
+            return hidden_states * 2
+
+    net = Transformer()
+    with NFECounter(net) as counter:
+        net(hidden_states=torch.zeros(3, 4), timestep=torch.zeros(3), encoder_hidden_states=torch.zeros(3, 5, 8))
+        net(torch.zeros(2, 4), torch.zeros(2))
+    assert (counter.calls, counter.examples) == (2, 5)
+
+
 def test_a_call_that_stopped_early_does_not_leak_into_the_next(pipe):
     """The trajectory begins at the scheduler's new timesteps, not at a progress bar: after a call interrupted
     at its 3rd step (as the server's cancel does), the next call is sampled as if it came first."""

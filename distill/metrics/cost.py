@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import threading
 import time
@@ -24,6 +25,12 @@ class NFECounter:
 
     def __init__(self, module: nn.Module):
         self.calls = self.examples = self.cached = self.predicted = 0
+        # the network's first input (a UNet's ``sample``, a transformer's ``hidden_states``), which SD3's and Flux's
+        # pipelines pass by keyword: from the class's signature (a diffusers hook replaces the instance's forward);
+        # ``sample`` for a wrapper taking *args, **kwargs (torch.compile's)
+        named = [p.name for p in list(inspect.signature(type(module).forward).parameters.values())[1:]
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._input = named[0] if named else "sample"
         self._handle = module.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
@@ -32,7 +39,7 @@ class NFECounter:
         if ran == "predicted":
             self.predicted += 1
             return
-        sample = args[0] if args else kwargs.get("sample", kwargs.get("hidden_states"))  # a UNet's, a transformer's
+        sample = args[0] if args else kwargs[self._input]
         self.calls += 1
         self.cached += ran == "cached"
         self.examples += sample.shape[0]
