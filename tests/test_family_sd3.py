@@ -3,7 +3,7 @@
 shift_factor): detection and loading, conditioning bit for bit as encode_prompt (with and without T5), denoise as
 the transformer call the pipeline makes, the latents of the pipeline's decode path, the export through
 DiffusionPipeline.from_pretrained, distill.evaluate and distill.sample end to end, and the refusals (a VP scheduler
-on the flow teacher, a training method on it)."""
+on the flow teacher, a training method that does not serve it)."""
 
 from __future__ import annotations
 
@@ -201,10 +201,10 @@ def test_export_loads_through_diffusion_pipeline_and_samples_as_the_stock_class(
 
 
 def test_schedulers_of_the_other_kind_are_refused(teacher):
-    assert FLOW_SCHEDULERS == ("flow_euler",)
+    assert FLOW_SCHEDULERS == ("flow_euler", "flow_lcm")
     flow = make_scheduler("flow_euler", teacher.scheduler.config)
     assert type(flow) is FlowMatchEulerDiscreteScheduler and flow.config.shift == SD3_SHIFT
-    with pytest.raises(ValueError, match=r"'ddim' steps a discrete VP .* use one of \['flow_euler'\]"):
+    with pytest.raises(ValueError, match=r"'ddim' steps a discrete VP .* use one of \['flow_euler', 'flow_lcm'\]"):
         make_scheduler("ddim", teacher.scheduler.config)
     from diffusers import DDIMScheduler
 
@@ -252,15 +252,18 @@ def test_sample_writes_a_grid_from_the_sd3_folder(sd3_dir, tmp_path):
 
 
 def test_training_on_an_sd3_teacher_is_refused_before_any_compute(sd3_dir, tmp_path):
-    """+exp=consistency on the SD3 folder: exit 2 at validation (no run directory), naming the family and what runs."""
-    with pytest.raises(ValueError, match="'sd3' teacher .*method='progressive' cannot train; no training method"):
-        check_method_serves(sd3_dir, pipeline_configs(sd3_dir), "progressive")
+    """+exp=progressive on the SD3 folder: exit 2 at validation (no run directory), naming the family, the method
+    that serves it (consistency; tests/test_consistency_flow.py runs it) and what else runs."""
+    check_method_serves(sd3_dir, pipeline_configs(sd3_dir), "consistency")  # served
+    with pytest.raises(ValueError, match=r"'sd3' teacher .*method='feature_distillation' cannot train; the methods "
+                                         r"that can: \['consistency'\]"):
+        check_method_serves(sd3_dir, pipeline_configs(sd3_dir), "feature_distillation")
     run_dir = tmp_path / "run"
-    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={sd3_dir}",
+    proc = run_train("+exp=progressive", f"teacher.pretrained_model_name_or_path={sd3_dir}",
                      f"hydra.run.dir={run_dir}", "logger=csv", timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("is a 'sd3' teacher (StableDiffusion3Family, flow matching), which method='consistency' cannot train; "
-            "no training method serves it yet") in proc.stderr
+    assert ("is a 'sd3' teacher (StableDiffusion3Family, flow matching), which method='progressive' cannot train; "
+            "the methods that can: ['consistency']") in proc.stderr
     assert "python -m distill.evaluate pipeline=" in proc.stderr and "python -m distill.sample" in proc.stderr
     assert not run_dir.exists()
 

@@ -98,9 +98,9 @@ def _check_teacher(cfg: DictConfig) -> None:
     loaded."""
     from pathlib import Path
 
-    from distill.families.base import check_method_serves
+    from distill.families.base import check_method_serves, check_supported
     from distill.methods import METHODS
-    from distill.models.teacher import check_pipeline_folder, pipeline_configs
+    from distill.models.teacher import check_pipeline_folder, is_flow_matching, pipeline_configs
 
     path = Path(str(cfg.teacher.pretrained_model_name_or_path))
     if not path.exists():
@@ -110,8 +110,12 @@ def _check_teacher(cfg: DictConfig) -> None:
             )
         return
     try:
-        check_method_serves(path, pipeline_configs(path), METHODS.name_of(_part(cfg.method, "method")))
-        check_pipeline_folder(path)
+        configs = pipeline_configs(path)
+        check_method_serves(path, configs, METHODS.name_of(_part(cfg.method, "method")))
+        if is_flow_matching(configs["scheduler"]):  # runs where a family detects it (SD3's checks its folder)
+            check_supported(path, configs)
+        else:
+            check_pipeline_folder(path)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from err
     factor = vae_factor({"pretrained_model_name_or_path": str(path), "subfolder": "vae"}, "teacher")

@@ -21,6 +21,26 @@ def boundary_scalings(
     return c_skip, c_out
 
 
+def flow_boundary_scalings(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """c_skip(t) = 1, c_out(t) = -t on a flow network's velocity v: f(x_t, t) = x_t - t v(x_t, t), one Euler step
+    of the flow ODE from t to 0, which is the x0 the velocity predicts (``flow.x0_from_velocity``). The boundary
+    condition of Song et al. 2023 (eq. 8: c_skip(0) = 1, c_out(0) = 0, so f(x_0, 0) = x_0) holds by construction
+    for any network, as in the flow consistency models of Yang et al. 2024 ("Consistency Flow Matching", their
+    f(x_t, t) = x_t + (1 - t) v with data at t = 1); and it is what diffusers' ``FlowMatchLCMScheduler.step`` reads
+    the model output as (x0 = sample - sigma * model_output), so an export samples with the f it was trained as."""
+    t = t.float()
+    return torch.ones_like(t), -t
+
+
+def flow_solver_grid(sigmas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t_n, t_{n-1}), each (N,) ascending in t_n, of a flow scheduler's N-step sigmas ``sigmas`` (N + 1,
+    descending, the terminal 0 last: ``FlowMatchingSchedule.inference_sigmas``): the pairs a consistency solver
+    steps between, the last step landing on t = 0 (the data)."""
+    if sigmas.ndim != 1 or len(sigmas) < 2 or float(sigmas[-1]) != 0.0 or not bool((sigmas.diff() < 0).all()):
+        raise ValueError(f"sigmas {sigmas.tolist()} are not a flow scheduler's descending sigmas ending in 0")
+    return sigmas[:-1].flip(0), sigmas[1:].flip(0)
+
+
 def consistency_output(x_t: torch.Tensor, x0_pred: torch.Tensor, c_skip: torch.Tensor, c_out: torch.Tensor) -> torch.Tensor:
     """f(x_t, t) = c_skip(t) x_t + c_out(t) x0_pred (Luo et al. 2023 eq. 9)."""
     shape = (-1,) + (1,) * (x_t.ndim - 1)

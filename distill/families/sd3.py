@@ -7,8 +7,10 @@ then ends in ``max_sequence_length`` zero tokens, as ``StableDiffusion3Pipeline.
 default is 256 tokens (``SD3_MAX_SEQUENCE_LENGTH``); on tiny latents they dominate the transformer's cost, so the
 conditioner and the export take it as a setting (``max_sequence_length``).
 
-No training method serves this family yet (they step the discrete VP schedule at integer timesteps): a training
-run on an SD3 teacher is refused before anything loads; ``distill.evaluate`` and ``distill.sample`` run on it.
+Consistency distillation serves this family (``method=consistency``: Euler steps of the flow ODE, exported with
+``FlowMatchLCMScheduler``, ``scheduler=flow_lcm``); the other training methods step the discrete VP schedule at
+integer timesteps, and a run of one on an SD3 teacher is refused before anything loads. ``distill.evaluate`` and
+``distill.sample`` run on it.
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ class StableDiffusion3Family(ModelFamily):
     conditioner_type = SD3Conditioner
     pipeline_class = DistillSD3Pipeline
     denoiser_component = "transformer"
-    methods = ()  # every training method steps the discrete VP schedule at integer timesteps
+    methods = ("consistency",)  # the others step the discrete VP schedule at integer timesteps
 
     @classmethod
     def detect(cls, configs: dict[str, dict]) -> bool:

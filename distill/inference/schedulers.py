@@ -29,6 +29,7 @@ SCHEDULERS: dict[str, str] = {
     "tcd": "TCDScheduler",
     "cm": "CMStochasticIterativeScheduler",  # consistency models in EDM's parametrisation (iCT exports)
     "flow_euler": "FlowMatchEulerDiscreteScheduler",  # flow matching (SD3, Flux): Euler on the shifted sigmas
+    "flow_lcm": "FlowMatchLCMScheduler",  # a flow consistency student: predict x0, re-noise to the next sigma
 }
 FLOW_SCHEDULERS = tuple(name for name, cls in SCHEDULERS.items() if cls.startswith("FlowMatch"))
 

@@ -1,4 +1,6 @@
-"""Latent consistency distillation (Luo et al. 2023, "Latent Consistency Models", Algorithm 1)."""
+"""Latent consistency distillation (Luo et al. 2023, "Latent Consistency Models", Algorithm 1), on a discrete VP
+teacher (skipping-step DDIM solver) or a flow-matching one (SD3: Euler steps of the flow ODE on its shifted
+sigmas)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from distill.diffusion import cfg, ddim_step, guidance_condition
+from distill.diffusion import FlowMatchingSchedule, cfg, ddim_step, guidance_condition
 from distill.diffusion.consistency import (
     CONSISTENCY_LOSSES,
     boundary_scalings,
@@ -15,7 +17,10 @@ from distill.diffusion.consistency import (
     consistency_loss,
     consistency_output,
     ddim_timesteps,
+    flow_boundary_scalings,
+    flow_solver_grid,
 )
+from distill.diffusion.flow import euler_step
 from distill.methods import METHODS
 from distill.methods.checks import check_guidance_range
 from distill.methods.distillation import TeacherStudentDistillation
@@ -28,7 +33,16 @@ from distill.utils.optim import ema_update_, step_applied
 class LatentConsistencyDistillation(TeacherStudentDistillation):
     """A student f(x_t, t, c, w) = c_skip x_t + c_out x0_student learns to map every point of the teacher's
     guided PF-ODE to the same x0: f_student(x_{t_n}) ~ f_target(x_{t_{n-k}}), where x_{t_{n-k}} is one
-    skipping DDIM step of the classifier-free-guided teacher from x_{t_n}."""
+    skipping DDIM step of the classifier-free-guided teacher from x_{t_n}.
+
+    On a flow-matching teacher (``FlowMatchingSchedule``: x_t = (1 - t) x0 + t eps, the velocity v = eps - x0)
+    the same algorithm runs on the flow ODE dx/dt = v: the grid is the teacher scheduler's ``num_ddim_timesteps``-step
+    shifted sigmas (``FlowMatchEulerDiscreteScheduler.set_timesteps``; SD3's shift 3.0), x_{t_{n-1}} is one Euler
+    step of the teacher's velocity guided in velocity form, v_u + (1 + w) (v_c - v_u), and the consistency function
+    is f(x_t, t) = x_t - t v_student (``flow_boundary_scalings``: c_skip = 1, c_out = -t on the velocity, the
+    boundary condition f(x_0, 0) = x_0 by construction), which diffusers' ``FlowMatchLCMScheduler`` (``scheduler=
+    flow_lcm``) samples with: predict x0, re-noise to the next sigma. ``timestep_scaling`` and ``sigma_data`` (LCM's
+    VP scalings) have no part in it."""
 
     def __init__(
         self,
@@ -63,9 +77,19 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         self.loss_type, self.huber_c = loss_type, huber_c
         self.timestep_scaling, self.sigma_data = timestep_scaling, sigma_data
         self.sampling = dict(sampling or {"name": "lcm", "num_inference_steps": 4, "guidance_scale": 3.0})
-        T = self.schedule.num_train_timesteps
-        self.skip = T // num_ddim_timesteps
-        self.register_buffer("solver_timesteps", ddim_timesteps(T, num_ddim_timesteps), persistent=False)
+        from distill.inference.schedulers import check_scheduler_kind
+
+        self.flow = isinstance(self.schedule, FlowMatchingSchedule)
+        check_scheduler_kind(self.sampling["name"], self.noise_scheduler_config, key="scheduler.name")
+        if self.flow:  # the teacher scheduler's N-step sigmas: t_n -> t_{n-1}, the last step to t = 0
+            grid, previous = flow_solver_grid(self.schedule.inference_sigmas(num_ddim_timesteps)[0])
+        else:  # LCM's skipping-step grid: t_n -> t_n - k, k = T / N
+            T = self.schedule.num_train_timesteps
+            self.skip = T // num_ddim_timesteps
+            grid = ddim_timesteps(T, num_ddim_timesteps)
+            previous = (grid - self.skip).clamp(min=0)
+        self.register_buffer("solver_timesteps", grid, persistent=False)
+        self.register_buffer("solver_previous", previous, persistent=False)
 
     method_name = "consistency"
 
@@ -80,18 +104,35 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
     def frozen_networks(self) -> list[nn.Module]:  # compiled / channels-last as the student is
         return super().frozen_networks() + ([self.target] if self.target is not None else [])
 
-    def _teacher(self, x_t, t, cond, uncond, w):
-        """Guided teacher (x0, eps) at (x_t, t), guided in (x0, eps) with LCM's w (Luo et al. 2023, sec. 4.2)."""
+    def _solver_step(self, x_t, t, t_prev, cond, uncond, w):
+        """x_{t_prev} from x_t by one solver step of the guided teacher, guided with LCM's w (Luo et al. 2023,
+        sec. 4.2): DDIM in (x0, eps) on a VP schedule; on a flow schedule an Euler step of the velocity guided in
+        velocity form (``flow.euler_step``, what ``FlowMatchEulerDiscreteScheduler.step`` computes)."""
         out_c, out_u = self.teacher_cond_uncond(x_t, t, cond, uncond)
+        if self.flow:
+            v = cfg(self.schedule.velocity(out_c, x_t, t), self.schedule.velocity(out_u, x_t, t), w=w)
+            return euler_step(v, x_t, t, t_prev)
         x0_c, eps_c = self.schedule.to_x0_eps(out_c, x_t, t)
         x0_u, eps_u = self.schedule.to_x0_eps(out_u, x_t, t)
-        return cfg(x0_c, x0_u, w=w), cfg(eps_c, eps_u, w=w)
+        return ddim_step(cfg(x0_c, x0_u, w=w), cfg(eps_c, eps_u, w=w), *self.schedule.alpha_sigma(t_prev, x_t.ndim))
 
     def _consistency_fn(self, net, x_t, t, cond, w_kwargs):
+        """f(x_t, t) = c_skip(t) x_t + c_out(t) y: y the network's x0 with LCM's scalings (VP), its velocity with
+        ``flow_boundary_scalings`` (flow)."""
         out = self.family.denoise(net, x_t, t, cond, **w_kwargs)
+        if self.flow:
+            return consistency_output(x_t, self.schedule.velocity(out, x_t, t), *flow_boundary_scalings(t))
         x0, _ = self.schedule.to_x0_eps(out, x_t, t)
         c_skip, c_out = boundary_scalings(t, self.sigma_data, self.timestep_scaling)
         return consistency_output(x_t, x0, c_skip, c_out)
+
+    def _solver_levels(self) -> torch.Tensor:
+        """The grid's noise levels sigma / alpha (ascending), what the time sampler bins by; a flow grid's t = 1
+        (infinite level) at the level of the training table's next point, t = 1 - 1 / T."""
+        if not self.flow:
+            return self.schedule.ve_sigmas[self.solver_timesteps].float()
+        t = self.solver_timesteps.clamp(max=1.0 - 1.0 / self.schedule.num_train_timesteps)
+        return t / (1.0 - t)
 
     # ------------------------------------------------------------------ objective
 
@@ -100,9 +141,9 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         x0 = self.latents(batch, generator)  # (N, 4, h, w)
         n, device = x0.shape[0], x0.device
         # one bin per grid point t_n, by its noise level
-        bins, iw = self.draw_time_bins(n, self.schedule.ve_sigmas[self.solver_timesteps].float(), generator)
+        bins, iw = self.draw_time_bins(n, self._solver_levels(), generator)
         t = self.solver_timesteps[bins.to(device)]  # t_n
-        t_prev = (t - self.skip).clamp(min=0)  # t_{n-k}
+        t_prev = self.solver_previous[bins.to(device)]  # t_{n-k}
         w = (self.guidance_scale_min - 1) + (self.guidance_scale_max - self.guidance_scale_min) * torch.rand(n, generator=generator)
         w = self.paired(w).to(device)  # LCM's w = cfg scale - 1
         w_kwargs = guidance_condition(w, self.w_dim, x0)
@@ -111,18 +152,22 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         eps = self.draw_noise(x0, generator)
         x_t = self.schedule.add_noise(x0, eps, t)
         f_student = self._consistency_fn(self.student, x_t, t, cond, w_kwargs)
-        with torch.no_grad():
-            x0_w, eps_w = self._teacher(x_t, t, cond, uncond, w)
-            x_prev = ddim_step(x0_w, eps_w, *self.schedule.alpha_sigma(t_prev, x0.ndim))
-            target = self.target if self.target is not None else self.student
-            # the target runs at the student's precision (frozen_dtype is the teacher's): the residual
-            # f_student - f_target must compare like with like; the student's own routing record trains
-            with no_routing_record(target):
-                f_target = self._consistency_fn(target, x_prev, t_prev, cond, w_kwargs)
+        f_target = self.consistency_target(x_t, t, t_prev, cond, uncond, w, w_kwargs)
         per_example = consistency_loss(f_student, f_target, self.loss_type, self.huber_c, reduce=False)
         if self.training:
             self.record_time_losses(bins, per_example)
         return self.weighted_mean(per_example, iw)
+
+    @torch.no_grad()
+    def consistency_target(self, x_t, t, t_prev, cond, uncond, w, w_kwargs) -> torch.Tensor:
+        """f_target(x_{t_prev}, t_prev): the target network's consistency function one guided teacher solver step
+        (``_solver_step``) from x_t; at t_prev = 0 the boundary makes it x_{t_prev} itself."""
+        x_prev = self._solver_step(x_t, t, t_prev, cond, uncond, w)
+        target = self.target if self.target is not None else self.student
+        # the target runs at the student's precision (frozen_dtype is the teacher's): the residual
+        # f_student - f_target must compare like with like; the student's own routing record trains
+        with no_routing_record(target):
+            return self._consistency_fn(target, x_prev, t_prev, cond, w_kwargs)
 
     def optimizer_step(self, *args, **kwargs) -> None:
         """The optimizer step, then the target's EMA update: once per optimizer step (not per micro-batch under
@@ -166,8 +211,13 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
                 f"[{self.guidance_scale_min}, {self.guidance_scale_max}]")
 
     def export_info(self) -> dict:
-        return {"guidance_scale_range": [self.guidance_scale_min, self.guidance_scale_max],
-                "num_ddim_timesteps": self.num_ddim_timesteps, "timestep_scaling": self.timestep_scaling}
+        info = {"guidance_scale_range": [self.guidance_scale_min, self.guidance_scale_max],
+                "num_ddim_timesteps": self.num_ddim_timesteps}
+        if self.flow:
+            return {**info, "solver": "Euler steps of the guided teacher's flow ODE on its scheduler's "
+                                      f"{self.num_ddim_timesteps}-step shifted sigmas",
+                    "consistency_function": "f(x_t, t) = x_t - t v (c_skip = 1, c_out = -t on the velocity)"}
+        return {**info, "timestep_scaling": self.timestep_scaling}
 
     @classmethod
     def check_config(cls, cfg) -> None:

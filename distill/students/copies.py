@@ -14,11 +14,17 @@ from distill.students import STUDENTS
 def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | None = None,
                  gradient_checkpointing: bool = False) -> UNet2DConditionModel:
     """The teacher's architecture and weights; with ``time_cond_proj_dim`` a guidance-scale embedding
-    enters the time embedding through a new zero-initialised projection, so the student starts as the teacher."""
+    enters the time embedding through a new zero-initialised projection, so the student starts as the teacher.
+    A denoiser of another class (SD3's transformer) is copied as it is; it has no such input to add."""
     config = dict(teacher_unet.config)
+    unet = isinstance(teacher_unet, UNet2DConditionModel)
     if time_cond_proj_dim is not None:
+        if not unet:
+            raise ValueError(f"student.time_cond_proj_dim={time_cond_proj_dim}: the teacher's "
+                             f"{type(teacher_unet).__name__} has no guidance-scale (timestep_cond) input to add; set "
+                             "student.time_cond_proj_dim=null (the guidance is then distilled in, without a w input)")
         config["time_cond_proj_dim"] = time_cond_proj_dim
-    student = UNet2DConditionModel.from_config(config)
+    student = (UNet2DConditionModel if unet else type(teacher_unet)).from_config(config)
     missing, unexpected = student.load_state_dict(teacher_unet.state_dict(), strict=False)
     if unexpected or any(not k.startswith("time_embedding.cond_proj") for k in missing):
         raise ValueError(f"student does not match the teacher: missing {missing}, unexpected {unexpected}")

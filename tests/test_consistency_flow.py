@@ -1,0 +1,213 @@
+"""Consistency distillation on a flow-matching teacher (the SD3 stand-in, tests/sd3_tiny.py): the solver grid and
+the guided teacher's Euler step against FlowMatchEulerDiscreteScheduler, the consistency target against a hand
+computation from the transformer's own calls, FlowMatchLCMScheduler's step against the consistency function the
+student is trained as, and two training steps through the CLI whose export samples through
+DiffusionPipeline.from_pretrained and the stock StableDiffusion3Pipeline."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from diffusers import (
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FlowMatchLCMScheduler,
+    StableDiffusion3Pipeline,
+)
+
+from distill.diffusion.consistency import (
+    consistency_output,
+    flow_boundary_scalings,
+    flow_solver_grid,
+)
+from distill.families import load_teacher
+from distill.inference.schedulers import make_scheduler
+from tests.conftest import run_train
+from tests.sd3_tiny import SD3_SHIFT, write_tiny_sd3
+
+PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
+N = 50  # method.num_ddim_timesteps: the solver grid
+
+
+@pytest.fixture(scope="module")
+def sd3_dir(tmp_path_factory):
+    return write_tiny_sd3(tmp_path_factory.mktemp("sd3") / "pipe")
+
+
+@pytest.fixture(scope="module")
+def method(sd3_dir):
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.students.copies import copy_student
+
+    method = LatentConsistencyDistillation(load_teacher(str(sd3_dir)), copy_student,
+                                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                                           sampling={"name": "flow_lcm", "num_inference_steps": 4,
+                                                     "guidance_scale": 1.0})
+    with torch.no_grad():  # a target apart from the teacher (and the student), so that its own call shows
+        for p in method.target.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return method.eval()
+
+
+def _inputs(method, rows: int = 2, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x_t = torch.randn(rows, 4, 8, 8, generator=g)
+    cond, uncond = method.text_conditions({"caption": PROMPTS[:rows]}, rows, "cpu")
+    return x_t, cond, uncond
+
+
+def _transformer(net, x, t, cond):
+    """The call StableDiffusion3Pipeline makes: timestep = scheduler.timesteps = 1000 sigma."""
+    return net(hidden_states=x, timestep=t * 1000, encoder_hidden_states=cond["encoder_hidden_states"],
+               pooled_projections=cond["pooled_projections"]).sample
+
+
+def test_the_solver_grid_is_the_teachers_shifted_sigmas(method):
+    """t_n and t_{n-1} are consecutive sigmas of FlowMatchEulerDiscreteScheduler.set_timesteps(50) with SD3's shift,
+    bit for bit; the last step lands on 0, the first starts at pure noise."""
+    sched = FlowMatchEulerDiscreteScheduler(shift=SD3_SHIFT)
+    sched.set_timesteps(N)
+    assert torch.equal(method.solver_timesteps, sched.sigmas[:-1].flip(0))
+    assert torch.equal(method.solver_previous, sched.sigmas[1:].flip(0))
+    assert method.solver_previous[0].item() == 0.0 and method.solver_timesteps[-1].item() == 1.0
+    levels = method._solver_levels()
+    assert torch.isfinite(levels).all() and (levels.diff() > 0).all()
+    assert levels[-1].item() == pytest.approx(999.0, rel=1e-4)  # t = 1 binned as t = 1 - 1/T
+    with pytest.raises(ValueError, match="not a flow scheduler's descending sigmas ending in 0"):
+        flow_solver_grid(torch.tensor([1.0, 0.5]))
+
+
+def test_the_guided_euler_step_equals_flow_match_euler_scheduler_step(method):
+    """Row 0 steps from grid point 40 to 39, row 1 from 0.018 (grid point 0) to 0: each equals
+    FlowMatchEulerDiscreteScheduler.step on the pipeline's CFG of the teacher's velocity, at guidance 1 + w."""
+    x_t, cond, uncond = _inputs(method)
+    bins = torch.tensor([40, 0])
+    t, t_prev = method.solver_timesteps[bins], method.solver_previous[bins]
+    w = torch.tensor([3.0, 1.5])  # LCM's w: guidance scales 4.0 and 2.5
+    ours = method._solver_step(x_t, t, t_prev, cond, uncond, w)
+    sched = FlowMatchEulerDiscreteScheduler(shift=SD3_SHIFT)
+    for row, b in enumerate(bins.tolist()):
+        sched.set_timesteps(N)
+        i = N - 1 - b  # the scheduler's step index of grid point b (its sigmas descend)
+        sched.set_begin_index(i)
+        x = x_t[row:row + 1]
+        with torch.no_grad():
+            v_c = _transformer(method.teacher_unet, x, t[row:row + 1], {k: v[row:row + 1] for k, v in cond.items()})
+            v_u = _transformer(method.teacher_unet, x, t[row:row + 1], {k: v[row:row + 1] for k, v in uncond.items()})
+        v = v_u + (1.0 + w[row]) * (v_c - v_u)  # StableDiffusion3Pipeline's CFG, in velocity form
+        ref = sched.step(v, sched.timesteps[i], x).prev_sample
+        assert sched.sigmas[i + 1].item() == t_prev[row].item()
+        torch.testing.assert_close(ours[row:row + 1], ref, rtol=1e-5, atol=1e-6)
+        assert (ours[row] - x_t[row]).abs().max() > 1e-3  # a real step
+
+
+def test_one_step_consistency_target_against_a_hand_computation(method):
+    """f_target = x' - t' v_target(x', t') at x' = x_t + (t' - t) v_w, the Euler step of the guided teacher;
+    at t' = 0 it is x' itself (the boundary), whatever the target network says."""
+    x_t, cond, uncond = _inputs(method, seed=1)
+    bins = torch.tensor([25, 0])
+    t, t_prev = method.solver_timesteps[bins], method.solver_previous[bins]
+    w = torch.tensor([2.0, 4.0])
+    ours = method.consistency_target(x_t, t, t_prev, cond, uncond, w, {})
+    with torch.no_grad():
+        v_c = _transformer(method.teacher_unet, x_t, t, cond)
+        v_u = _transformer(method.teacher_unet, x_t, t, uncond)
+        v_w = v_c + w.reshape(-1, 1, 1, 1) * (v_c - v_u)
+        x_prev = x_t + (t_prev - t).reshape(-1, 1, 1, 1) * v_w
+        v_target = _transformer(method.target, x_prev, t_prev, cond)
+        hand = x_prev - t_prev.reshape(-1, 1, 1, 1) * v_target
+    torch.testing.assert_close(ours, hand, rtol=1e-5, atol=1e-6)
+    assert torch.equal(hand[1], x_prev[1])  # t' = 0: f(x, 0) = x
+    # the target's own call matters at t' > 0: the student (another network) gives another target
+    with torch.no_grad():
+        v_student = _transformer(method.student, x_prev, t_prev, cond)
+    assert (x_prev[0] - t_prev[0] * v_student[0] - ours[0]).abs().max() > 1e-4
+
+
+def test_flow_match_lcm_scheduler_samples_with_the_trained_consistency_function(method):
+    """The export's FlowMatchLCMScheduler (from_config of the teacher's scheduler: its shift kept) starts 1-step
+    sampling at the grid's t = 1; a step is x0 = x_t - sigma v, the f the student is trained as, re-noised as
+    (1 - sigma') x0 + sigma' z with z from the step's generator; the last step returns f itself, bit for bit."""
+    sched = method.sampling_scheduler()
+    assert type(sched) is FlowMatchLCMScheduler and sched.config.shift == SD3_SHIFT
+    sched.set_timesteps(4)
+    sigmas = sched.sigmas
+    assert torch.equal(sigmas, method.schedule.inference_sigmas(4)[0])  # what training's grid is made with
+    assert sigmas[0].item() == method.solver_timesteps[-1].item() == 1.0
+    g = torch.Generator().manual_seed(3)
+    x, v = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    out = sched.step(v, sched.timesteps[0], x, generator=torch.Generator().manual_seed(7)).prev_sample
+    f = consistency_output(x, v, *flow_boundary_scalings(torch.full((2,), sigmas[0].item())))
+    z = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(out, (1 - sigmas[1]) * f + sigmas[1] * z, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(f, x - v, rtol=0, atol=0)  # sigma = 1: x0 = x_t - v
+    sched.set_timesteps(4)
+    sched.set_begin_index(3)  # the last step alone: sigma' = 0, no noise left, the output is f itself
+    last = sched.step(v, sched.timesteps[3], x, generator=torch.Generator().manual_seed(7)).prev_sample
+    assert torch.equal(last, consistency_output(x, v, *flow_boundary_scalings(torch.full((2,), sigmas[3].item()))))
+    c_skip, c_out = flow_boundary_scalings(torch.tensor([0.0, 0.5]))
+    assert c_skip.tolist() == [1.0, 1.0] and c_out.tolist() == [0.0, -0.5]
+
+
+def test_a_vp_scheduler_on_the_flow_teacher_is_refused_at_construction(sd3_dir):
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.students.copies import copy_student
+
+    with pytest.raises(ValueError, match=r"scheduler.name: 'lcm' steps a discrete VP .* \['flow_euler', 'flow_lcm'\]"):
+        LatentConsistencyDistillation(load_teacher(str(sd3_dir)), copy_student, optimizer=torch.optim.SGD)
+    with pytest.raises(ValueError, match="time_cond_proj_dim=256: the teacher's SD3Transformer2DModel has no"):
+        copy_student(load_teacher(str(sd3_dir)).denoiser, 256)
+
+
+FLOW_FAST = ["scheduler=flow_lcm", "student.time_cond_proj_dim=null", "callbacks.quality_cost=null", "data.batch_size=4",
+             "trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "callbacks.samples.num_seeds=1",
+             "sample_grid_seeds=1", "logger=csv"]
+
+
+def test_two_cli_steps_on_the_sd3_teacher_export_a_flow_lcm_pipeline(sd3_dir, tmp_path):
+    """+exp=consistency on the SD3 folder: 2 steps, a finite loss, an export whose model_index.json names
+    DistillSD3Pipeline on FlowMatchLCMScheduler, 4 steps guidance-distilled; DiffusionPipeline.from_pretrained
+    samples it with 4 transformer passes of 1 example (no CFG pass), and the stock StableDiffusion3Pipeline called
+    with the card's arguments gives the same images (FlowMatchLCMScheduler re-noises from the global RNG: seeded
+    alike)."""
+    from distill.metrics.cost import NFECounter
+
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={sd3_dir}", *FLOW_FAST,
+                     f"hydra.run.dir={run_dir}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(r["train/loss"]) for r in csv.DictReader(open(run_dir / "csv" / "metrics.csv")) if r.get("train/loss")]
+    assert len(losses) == 2 and all(0 < loss < 100 for loss in losses), losses
+    export = run_dir / "export"
+    index = json.loads((export / "model_index.json").read_text())
+    assert index["_class_name"] == "DistillSD3Pipeline" and index["scheduler"] == ["diffusers", "FlowMatchLCMScheduler"]
+    assert (index["default_num_inference_steps"], index["guidance_distilled"]) == (4, True)
+    info = json.loads((export / "distill.json").read_text())
+    assert info["sampling"]["class"] == "FlowMatchLCMScheduler" and info["method"] == "consistency"
+    assert info["consistency_function"].startswith("f(x_t, t) = x_t - t v")
+    scheduler_config = json.loads((export / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler_config["shift"] == SD3_SHIFT
+    pipe = DiffusionPipeline.from_pretrained(export)
+    pipe.set_progress_bar_config(disable=True)
+    torch.manual_seed(0)
+    with NFECounter(pipe.transformer) as counter:
+        ours = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert (counter.calls, counter.examples) == (4, 4) and ours.shape == (1, 1, 32, 32)
+    assert torch.isfinite(ours).all() and ours.std() > 0
+    stock = StableDiffusion3Pipeline.from_pretrained(export, text_encoder_3=None, tokenizer_3=None)
+    stock.set_progress_bar_config(disable=True)
+    torch.manual_seed(0)
+    theirs = stock(PROMPTS[0], num_inference_steps=4, guidance_scale=1.0,
+                   max_sequence_length=index["default_max_sequence_length"],
+                   generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert type(stock.scheduler) is FlowMatchLCMScheduler and torch.equal(ours, theirs)
+
+
+def test_a_flow_lcm_scheduler_on_a_vp_model_is_refused():
+    from diffusers import DDIMScheduler
+
+    with pytest.raises(ValueError, match="'flow_lcm' is a flow-matching scheduler, but the model has a discrete VP"):
+        make_scheduler("flow_lcm", DDIMScheduler().config)
