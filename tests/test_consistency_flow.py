@@ -162,6 +162,19 @@ def test_a_vp_scheduler_on_the_flow_teacher_is_refused_at_construction(sd3_dir):
         copy_student(load_teacher(str(sd3_dir)).denoiser, 256)
 
 
+
+def test_a_resolution_shifted_flow_teacher_is_refused_at_construction(tmp_path):
+    """A scheduler with use_dynamic_shifting (Flux's) has no static grid to distil on: refused, naming the setting."""
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.students.copies import copy_student
+
+    folder = write_tiny_sd3(tmp_path / "dynamic")
+    FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True).save_pretrained(folder / "scheduler")
+    with pytest.raises(ValueError, match="shifts the sigmas by the image's resolution .*use_dynamic_shifting=false"):
+        LatentConsistencyDistillation(load_teacher(str(folder)), copy_student, optimizer=torch.optim.SGD,
+                                      sampling={"name": "flow_lcm", "num_inference_steps": 4, "guidance_scale": 1.0})
+
+
 FLOW_FAST = ["scheduler=flow_lcm", "student.time_cond_proj_dim=null", "callbacks.quality_cost=null", "data.batch_size=4",
              "trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "callbacks.samples.num_seeds=1",
              "sample_grid_seeds=1", "logger=csv"]

@@ -81,6 +81,11 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
 
         self.flow = isinstance(self.schedule, FlowMatchingSchedule)
         check_scheduler_kind(self.sampling["name"], self.noise_scheduler_config, key="scheduler.name")
+        if self.flow and self.schedule.use_dynamic_shifting:
+            raise ValueError(f"method=consistency on {self.teacher_source!r}: its scheduler shifts the sigmas by the "
+                             "image's resolution (use_dynamic_shifting, as Flux's), and the solver grid is built from "
+                             "a static shift (SD3's); set use_dynamic_shifting=false with a fixed shift in the "
+                             "teacher's scheduler_config.json, or distil an SD3 teacher")
         if self.flow:  # the teacher scheduler's N-step sigmas: t_n -> t_{n-1}, the last step to t = 0
             grid, previous = flow_solver_grid(self.schedule.inference_sigmas(num_ddim_timesteps)[0])
         else:  # LCM's skipping-step grid: t_n -> t_n - k, k = T / N
