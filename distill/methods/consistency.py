@@ -90,9 +90,8 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
             grid, previous = flow_solver_grid(self.schedule.inference_sigmas(num_ddim_timesteps)[0])
         else:  # LCM's skipping-step grid: t_n -> t_n - k, k = T / N
             T = self.schedule.num_train_timesteps
-            self.skip = T // num_ddim_timesteps
             grid = ddim_timesteps(T, num_ddim_timesteps)
-            previous = (grid - self.skip).clamp(min=0)
+            previous = (grid - T // num_ddim_timesteps).clamp(min=0)
         self.register_buffer("solver_timesteps", grid, persistent=False)
         self.register_buffer("solver_previous", previous, persistent=False)
 
