@@ -98,7 +98,7 @@ def test_time_ids_follow_the_batch_images_or_cached_latents_size(teacher):
     null = teacher.family.null_condition(2, like=cond)
     assert torch.equal(null["time_ids"], cond["time_ids"]) and null["time_ids"][0, 0] == 64
     assert teacher.family.null_condition(2)["time_ids"][0].tolist() == [32, 32, 0, 0, 32, 32]  # the native size
-    with pytest.raises(ValueError, match="needs 'pixel_values' or 'latent_mean'"):
+    with pytest.raises(ValueError, match="needs 'pixel_values', 'latent_mean' or 'image_size'"):
         teacher.family.condition({"caption": PROMPTS})
 
 

@@ -629,7 +629,7 @@ def test_prompts_are_tokenised_once_with_truncation_and_never_logged(pipe, caplo
         expected = pipe.encode_prompt(prompts, engine.device, 1, False)[0]  # logs the cut "seven seven ..."
         caplog.clear()
         with caplog.at_level("INFO"):
-            ours = engine.embed(prompts)
+            ours = engine.embed(prompts)["encoder_hidden_states"]  # the SD family's condition
         assert torch.equal(ours, expected)
         assert "seven" not in caplog.text
     finally:
@@ -653,9 +653,9 @@ def _poison(engine: Engine, marker: str = "poison"):
     a failure of the shared denoising call that one request causes."""
     embed = engine.embed
 
-    def embedding(prompts):
-        out = embed(prompts)
-        out[[i for i, p in enumerate(prompts) if p == marker]] = float("nan")
+    def embedding(prompts, *args):
+        out = embed(prompts, *args)
+        out["encoder_hidden_states"][[i for i, p in enumerate(prompts) if p == marker]] = float("nan")
         return out
 
     def refuse(module, args, kwargs):

@@ -78,7 +78,7 @@ class ClassifierGuidance(Accelerator):
         self.fixed_labels = None if labels is None else torch.as_tensor(list(labels), dtype=torch.long)
         self.fixed_prompts = None if prompts is None else list(prompts)
         self._text = None
-        self.classifier, self.alphas_cumprod, self.vae, self.pipe = None, None, None, None
+        self.classifier, self.family, self.vae, self.pipe = None, None, None, None
         self.uncond_first = True
 
     def describe(self) -> str:
@@ -91,15 +91,25 @@ class ClassifierGuidance(Accelerator):
         return self.mode != "clip" and self.fixed_labels is None
 
     def use_pipeline(self, pipe) -> None:
-        """The pipeline's noise schedule, VAE and CFG batch order (what the guide's gradient needs)."""
-        config = pipe.scheduler.config
-        if config.get("prediction_type", "epsilon") != "epsilon":
+        """The pipeline's family (its noise schedule and VAE latents) and CFG batch order (what the guide's
+        gradient needs); a flow-matching family is refused: the guidance here is of a noise prediction on a
+        discrete VP schedule."""
+        from distill.diffusion import FlowMatchingSchedule
+        from distill.families import FAMILIES, family_of
+        from distill.inference.pipelines import cfg_uncond_first
+
+        cls = family_of(pipe)
+        family = cls.from_pipeline(pipe)
+        if isinstance(family.schedule, FlowMatchingSchedule):
+            name = next(n for n, f in FAMILIES.items() if f is cls)
+            raise ValueError(f"accelerate=classifier guides a noise prediction on a discrete VP schedule; "
+                             f"{type(pipe).__name__} is of the {name!r} family ({cls.__name__}), flow matching (a "
+                             "velocity at t in [0, 1]), which it does not guide; sample it without accelerate=classifier")
+        if family.prediction_type != "epsilon":
             raise ValueError(f"accelerate=classifier guides a noise prediction; the pipeline's scheduler says "
-                             f"prediction_type={config.get('prediction_type')!r}")
-        self.alphas_cumprod = pipe.scheduler.alphas_cumprod
-        self.vae, self.pipe = getattr(pipe, "vae", None), pipe
-        # diffusers' pipelines batch CFG as [unconditional, conditional]; distill's class pipeline the other way
-        self.uncond_first = getattr(pipe, "cfg_uncond_first", True)
+                             f"prediction_type={family.prediction_type!r}")
+        self.family, self.vae, self.pipe = family, family.vae, pipe
+        self.uncond_first = cfg_uncond_first(pipe)
 
     def attach(self, denoiser: torch.nn.Module, context) -> None:
         self.detach()
@@ -138,7 +148,7 @@ class ClassifierGuidance(Accelerator):
                 inp = ((x.to(dtype) - (1 - abar).sqrt() * eps.to(dtype)) / abar.sqrt()).detach().requires_grad_(True)
                 images = inp
                 if self.vae is not None:  # decoded in the VAE's dtype; unclamped, so that every pixel steers
-                    images = self.vae.decode((inp / self.vae.config.scaling_factor).to(self.vae.dtype)).sample
+                    images = self.vae.decode(self.family.unscale_latents(inp).to(self.vae.dtype)).sample
                 if self.mode == "clip":
                     from distill.models.clip import encode_images
 
@@ -166,7 +176,8 @@ class ClassifierGuidance(Accelerator):
     def _abar(self, t, x: torch.Tensor) -> torch.Tensor:
         """abar at timestep t, linearly interpolated between integer timesteps (schedulers with fractional ones)."""
         t = float(torch.as_tensor(t).reshape(-1)[0])
-        table = self.alphas_cumprod.to(torch.float64)
+        schedule = self.family.schedule  # abar at t = 0..T-1 (and the clean sample's 1 at T, left out here)
+        table = schedule.abar[:schedule.num_train_timesteps].to(torch.float64)
         lo = min(int(t), len(table) - 1)
         hi, frac = min(lo + 1, len(table) - 1), t - lo
         value = table[lo] * (1 - frac) + table[hi] * frac

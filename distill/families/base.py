@@ -54,6 +54,8 @@ class ModelFamily:
     pipeline_class: ClassVar[type | None] = None  # the diffusers pipeline class of its exports
     denoiser_component: ClassVar[str] = ""  # the pipeline component that is the denoiser ("unet", "transformer")
     methods: ClassVar[tuple[str, ...] | None] = None  # the training methods (METHODS names) that serve it; None: all
+    # condition key -> the pipeline call's keyword for it (prompt_embeds, ...); None: the pipeline derives it itself
+    call_inputs: ClassVar[dict[str, str | None]] = {}
 
     def __init__(self, scheduler, vae: nn.Module | None, conditioner: nn.Module):
         if not isinstance(conditioner, self.conditioner_type):
@@ -61,7 +63,8 @@ class ModelFamily:
                             f"{type(conditioner).__name__}")
         self.scheduler = scheduler
         self.scheduler_config = dict(scheduler.config)  # what every sampling scheduler is built from
-        flow = is_flow_matching(dict(scheduler.config))  # FlowMatch* schedulers: t in [0, 1], the velocity
+        # FlowMatch* schedulers: t in [0, 1], the velocity (an in-memory scheduler's config has no _class_name yet)
+        flow = is_flow_matching({"_class_name": type(scheduler).__name__, **scheduler.config})
         self.schedule = (FlowMatchingSchedule if flow else DiscreteVPSchedule).from_scheduler(scheduler)
         self.vae = vae.requires_grad_(False).eval() if vae is not None else None
         self.conditioner = conditioner
@@ -80,6 +83,18 @@ class ModelFamily:
         raise ValueError(f"a {cls.__name__} pipeline ({pretrained_model_name_or_path!r}) cannot be loaded as a "
                          "teacher: the distillation methods distil text-conditioned teachers; give a Stable-Diffusion-"
                          "format pipeline")
+
+    @classmethod
+    def from_pipeline(cls, pipe, cache_prompts: bool = True) -> ModelFamily:
+        """An instance bound to an in-memory pipeline of this family (its scheduler, VAE and conditioner), for
+        pipeline-level code (guidance, serving); ``cache_prompts``: keep embeddings per distinct prompt (a server,
+        which sees unboundedly many prompts, keeps none)."""
+        return cls(pipe.scheduler, getattr(pipe, "vae", None), cls.conditioner_of(pipe, cache_prompts))
+
+    @classmethod
+    def conditioner_of(cls, pipe, cache_prompts: bool = True) -> nn.Module:
+        """The family's conditioner (``conditioner_type``) on the encoders of an in-memory pipeline."""
+        raise NotImplementedError(f"{cls.__name__} builds no conditioner from a pipeline; define conditioner_of")
 
     def copy(self, **options) -> ModelFamily:
         """A new instance on the same frozen parts with its own state; each method holds its own."""
@@ -119,14 +134,21 @@ class ModelFamily:
             return pixels
         return self.scale_latents(posterior_sample(self.vae, pixels, generator))
 
+    def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The diffusion space -> the VAE's latents: ``scale_latents`` undone, latents / scaling_factor (+
+        shift_factor); differentiable (classifier guidance decodes through it)."""
+        if self.vae is None:
+            return latents
+        shift = self.vae.config.get("shift_factor")
+        z = latents / self.vae.config.scaling_factor
+        return z if shift is None else z + shift
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """The diffusion space -> images (N, C, H, W) in [-1, 1]: ``scale_latents`` undone, then the VAE's decoder."""
         if self.vae is None:
             return latents
-        shift = self.vae.config.get("shift_factor")
-        z = latents / self.vae.config.scaling_factor
-        return self.vae.decode(z if shift is None else z + shift).sample
+        return self.vae.decode(self.unscale_latents(latents)).sample
 
     # ------------------------------------------------------------------ schedule and denoiser
 
@@ -138,6 +160,28 @@ class ModelFamily:
         """The output of ``network`` (a teacher or student of this family) at (x, t) under ``cond``; ``extra``: more
         keyword arguments of the network (a guidance embedding's ``timestep_cond``)."""
         return network(x, t, **cond, **extra).sample
+
+    def denoise_at(self, network: nn.Module, x: torch.Tensor, timestep: torch.Tensor, cond: dict, **extra
+                   ) -> torch.Tensor:
+        """``denoise`` at the network's own time input ``timestep`` (an entry of a sampling scheduler's
+        ``timesteps``, as the pipeline's loop passes it); the same as ``denoise`` where t is that input (a discrete VP
+        schedule's integer timesteps)."""
+        return self.denoise(network, x, timestep, cond, **extra)
+
+    def pipeline_call_inputs(self, cond: dict, null: dict | None = None) -> dict:
+        """The keyword arguments of a ``pipeline_class`` call on precomputed conditions: ``cond``'s entries under
+        the call's names (``call_inputs``), ``null``'s (classifier-free guidance's unconditional rows) under their
+        ``negative_`` names; an entry the pipeline derives itself (named None) is left out."""
+        out = {}
+        for prefix, part in (("", cond), ("negative_", null or {})):
+            for key, value in part.items():
+                if key not in self.call_inputs:
+                    raise ValueError(f"{type(self).__name__}'s condition has {key!r}, which no argument of "
+                                     f"{getattr(self.pipeline_class, '__name__', None)}'s call takes (call_inputs: "
+                                     f"{self.call_inputs})")
+                if self.call_inputs[key] is not None:
+                    out[prefix + self.call_inputs[key]] = value
+        return out
 
     def example_inputs(self, network: nn.Module, n: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Zero (x, t, cond) of ``network``'s native shapes, for a probe forward."""

@@ -28,6 +28,10 @@ class ClassUNetFamily(ModelFamily):
         return (configs["pipeline"].get("_class_name") == DistillClassPipeline.__name__
                 or (unet.get("_class_name") == "UNet2DModel" and unet.get("num_class_embeds") is not None))
 
+    @classmethod
+    def conditioner_of(cls, pipe, cache_prompts: bool = True) -> ClassConditioner:
+        return ClassConditioner(pipe.num_classes)
+
     def example_inputs(self, network: nn.Module, n: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
         c = network.config
         size = c.sample_size if isinstance(c.sample_size, int) else c.sample_size[0]

@@ -25,6 +25,7 @@ class StableDiffusionFamily(ModelFamily):
     conditioner_type = TextConditioner
     pipeline_class = DistillTextToImagePipeline
     denoiser_component = "unet"
+    call_inputs = {"encoder_hidden_states": "prompt_embeds"}
 
     @classmethod
     def detect(cls, configs: dict[str, dict]) -> bool:
@@ -52,10 +53,14 @@ class StableDiffusionFamily(ModelFamily):
             raise ValueError(f"teacher prediction_type={pipe.scheduler.config.prediction_type!r} is not supported")
         for module in (pipe.unet, pipe.vae, pipe.text_encoder):
             module.requires_grad_(False).eval()
-        family = cls(pipe.scheduler, pipe.vae, TextConditioner(pipe.text_encoder, pipe.tokenizer))
+        family = cls.from_pipeline(pipe)
         return Teacher(pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler,
                        str(pretrained_model_name_or_path), {"revision": revision, "variant": variant, "torch_dtype": dtype},
                        family=family)
+
+    @classmethod
+    def conditioner_of(cls, pipe, cache_prompts: bool = True) -> TextConditioner:
+        return TextConditioner(pipe.text_encoder, pipe.tokenizer, cache=cache_prompts)
 
     def copy(self, cache_prompts: bool = True) -> StableDiffusionFamily:
         """A new instance on the same frozen parts with its own prompt cache (``cache_prompts``: embeddings kept

@@ -162,6 +162,7 @@ class StableDiffusion3Family(ModelFamily):
     conditioner_type = SD3Conditioner
     pipeline_class = DistillSD3Pipeline
     denoiser_component = "transformer"
+    call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     methods = ("consistency",)  # the others step the discrete VP schedule at integer timesteps
 
     @classmethod
@@ -189,12 +190,21 @@ class StableDiffusion3Family(ModelFamily):
                                                         variant=variant, torch_dtype=dtype, **absent)
         for module in (pipe.transformer, pipe.vae):
             module.requires_grad_(False).eval()
-        conditioner = SD3Conditioner(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2,
-                                     pipe.transformer.config.joint_attention_dim, pipe.text_encoder_3,
-                                     pipe.tokenizer_3, max_sequence_length)
+        family = cls(pipe.scheduler, pipe.vae, cls.conditioner_of(pipe, max_sequence_length=max_sequence_length))
         return Teacher(pipe.transformer, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler,
                        str(pretrained_model_name_or_path), {"revision": revision, "variant": variant, "torch_dtype": dtype},
-                       family=cls(pipe.scheduler, pipe.vae, conditioner))
+                       family=family)
+
+    @classmethod
+    def conditioner_of(cls, pipe, cache_prompts: bool = True, max_sequence_length: int | None = None
+                       ) -> SD3Conditioner:
+        """``max_sequence_length``: the T5 tokens; default the pipeline call's own (a ``DistillSD3Pipeline``'s
+        registered default, else ``StableDiffusion3Pipeline``'s)."""
+        if max_sequence_length is None:
+            max_sequence_length = pipe.config.get("default_max_sequence_length", SD3_MAX_SEQUENCE_LENGTH)
+        return SD3Conditioner(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2,
+                              pipe.transformer.config.joint_attention_dim, pipe.text_encoder_3, pipe.tokenizer_3,
+                              max_sequence_length, cache=cache_prompts)
 
     def copy(self, cache_prompts: bool = True) -> StableDiffusion3Family:
         """A new instance on the same frozen parts with its own prompt cache."""
@@ -207,7 +217,12 @@ class StableDiffusion3Family(ModelFamily):
         """The transformer's velocity at (x, t) for flow time t in [0, 1] (a float or (N,)), its timestep input
         ``schedule.timestep(t)`` = 1000 t as the pipeline passes it (``scheduler.timesteps``)."""
         t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
-        timestep = self.schedule.timestep(t.expand(len(x)) if t.ndim == 0 else t)
+        return self.denoise_at(network, x, self.schedule.timestep(t.expand(len(x)) if t.ndim == 0 else t), cond,
+                               **extra)
+
+    def denoise_at(self, network: nn.Module, x: torch.Tensor, timestep: torch.Tensor, cond: dict, **extra
+                   ) -> torch.Tensor:
+        """The transformer's velocity at its own timestep input (1000 t; a flow scheduler's ``timesteps`` entry)."""
         return network(hidden_states=x, timestep=timestep, **cond, **extra).sample
 
     def example_inputs(self, network: nn.Module, n: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:

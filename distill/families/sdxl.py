@@ -73,12 +73,15 @@ class SDXLConditioner(TextConditioner):
 
     def image_size(self, batch: dict) -> tuple[int, int]:
         """(height, width) in pixels of the batch's images, or of those its cached latents encode."""
+        if "image_size" in batch:  # no images: the size to generate (a server's request)
+            return tuple(batch["image_size"])
         if "pixel_values" in batch:
             return tuple(batch["pixel_values"].shape[-2:])
         if "latent_mean" in batch:
             h, w = batch["latent_mean"].shape[-2:]
             return h * self.vae_scale_factor, w * self.vae_scale_factor
-        raise ValueError(f"SDXL's size ids come from the batch's images: it needs 'pixel_values' or 'latent_mean'; "
+        raise ValueError(f"SDXL's size ids come from the batch's images: it needs 'pixel_values', 'latent_mean' or "
+                         "'image_size' (height, width); "
                          f"got keys {sorted(batch)}")
 
     def forward(self, batch: dict, drop: torch.Tensor | None = None) -> dict:
@@ -109,6 +112,8 @@ class StableDiffusionXLFamily(ModelFamily):
     conditioner_type = SDXLConditioner
     pipeline_class = DistillStableDiffusionXLPipeline
     denoiser_component = "unet"
+    # the pipeline makes its own size ids from the call's height and width (original = target size, no crop)
+    call_inputs = {"encoder_hidden_states": "prompt_embeds", "text_embeds": "pooled_prompt_embeds", "time_ids": None}
 
     @classmethod
     def detect(cls, configs: dict[str, dict]) -> bool:
@@ -138,12 +143,15 @@ class StableDiffusionXLFamily(ModelFamily):
                              f"supported: {list(PREDICTION_TYPES)}")
         for module in (pipe.unet, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
             module.requires_grad_(False).eval()
-        conditioner = SDXLConditioner(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2,
-                                      pipe.vae_scale_factor, cls.native_size(pipe),
-                                      pipe.config.force_zeros_for_empty_prompt)
         return Teacher(pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler,
                        str(pretrained_model_name_or_path), {"revision": revision, "variant": variant, "torch_dtype": dtype},
-                       family=cls(pipe.scheduler, pipe.vae, conditioner))
+                       family=cls.from_pipeline(pipe))
+
+    @classmethod
+    def conditioner_of(cls, pipe, cache_prompts: bool = True) -> SDXLConditioner:
+        return SDXLConditioner(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2,
+                               pipe.vae_scale_factor, cls.native_size(pipe), pipe.config.force_zeros_for_empty_prompt,
+                               cache=cache_prompts)
 
     def copy(self, cache_prompts: bool = True) -> StableDiffusionXLFamily:
         """A new instance on the same frozen parts with its own prompt cache (``cache_prompts``)."""

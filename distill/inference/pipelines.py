@@ -110,6 +110,12 @@ def class_labels(labels, num_classes: int, batch_size: int, generator: torch.Gen
     return labels
 
 
+def cfg_uncond_first(pipe) -> bool:
+    """Whether ``pipe`` batches classifier-free guidance as [unconditional, conditional] (diffusers' pipelines), not
+    [conditional, unconditional] (``DistillClassPipeline``, whose class attribute of this name says so)."""
+    return getattr(pipe, "cfg_uncond_first", True)
+
+
 class DistillClassPipeline(DiffusionPipeline):
     """A class-conditional UNet2DModel (class ``num_class_embeds - 1`` is the null class of CFG training), its
     sampling scheduler and an optional VAE (latent models). ``pipe()`` draws a label with the generator;
@@ -127,7 +133,8 @@ class DistillClassPipeline(DiffusionPipeline):
                                 default_guidance_scale=default_guidance_scale)
         self.image_processor = VaeImageProcessor(do_resize=False)
 
-    cfg_uncond_first = False  # distill.inference.sampling batches CFG as [conditional, unconditional]
+    cfg_uncond_first = False  # distill.inference.sampling batches CFG as [conditional, unconditional]; read it
+    # with cfg_uncond_first(pipe)
 
     @property
     def num_classes(self) -> int:

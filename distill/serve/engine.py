@@ -47,7 +47,7 @@ from typing import Literal, get_args
 
 import torch
 
-from distill.families import denoiser_of, native_size
+from distill.families import denoiser_of, family_of, native_size
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Job:
     submitted: float = 0.0
     deadline: float = float("inf")
     # filled by the stages
-    embeds: torch.Tensor | None = None
+    embeds: dict | None = None  # the family's condition of the prompts (the network's keyword arguments)
     latents: torch.Tensor | None = None
     timings: dict = field(default_factory=dict)  # stage -> seconds of the batch the job was in
     batch_sizes: dict = field(default_factory=dict)  # stage -> images in that batch (denoise: largest)
@@ -105,7 +105,7 @@ class Job:
     index: int = 0
     cfg: bool = False
     step_kwargs: dict = field(default_factory=dict)
-    cond: torch.Tensor | None = None
+    timestep_cond: torch.Tensor | None = None  # the guidance embedding of an LCM-style student
     png: list[bytes] = field(default_factory=list)
     stage: str = "queued"  # queued, then each of STAGES while in it, then done
     rows: int = 1  # UNet rows per image and step (2 with classifier-free guidance)
@@ -269,12 +269,8 @@ class Engine:
                              "batches jobs at different steps; use mode=pipeline (or batch) with an accelerator")
         for name in ("encode_prompt", "vae", "scheduler", "image_processor"):  # the denoiser: denoiser_of, below
             if not hasattr(pipe, name):
-                raise ValueError(f"{type(pipe).__name__} has no {name}: distill.serve serves text-to-image pipelines of "
-                                 "the StableDiffusionPipeline layout (encode_prompt, a denoiser, vae, scheduler)")
-        if getattr(pipe, "text_encoder_2", None) is not None:  # SDXL: a pooled embedding and size ids at every call
-            raise ValueError(f"{type(pipe).__name__} is an SDXL pipeline, which distill.serve does not serve yet (its "
-                             "engine batches one text encoder's states); sample it with distill.sample or "
-                             "DiffusionPipeline.from_pretrained")
+                raise ValueError(f"{type(pipe).__name__} has no {name}: distill.serve serves text-to-image pipelines "
+                                 "(encode_prompt, a denoiser, vae, scheduler) of a registered model family")
         self.pipe, self.mode = pipe, mode
         self.max_batch_size, self.max_wait = max_batch_size, max_wait_ms / 1e3
         self.timeout_s, self.max_steps = timeout_s, max_steps
@@ -284,9 +280,14 @@ class Engine:
         self.scheduler_options = dict(scheduler_options or {})
         self._streams: dict[str, torch.cuda.Stream] = {}
         self.accelerator = accelerator
+        # the prompts, the network call and the decoding go through the pipeline's family: no prompt cache (a server
+        # sees unboundedly many prompts), except in the family that makes only the null condition (one prompt, "")
+        self.family = family_of(pipe).from_pipeline(pipe, cache_prompts=False)
+        self.null_family = family_of(pipe).from_pipeline(pipe, cache_prompts=True)
         self.denoiser = denoiser_of(pipe)  # the family's network (the UNet of a UNet family)
         self.device = self.denoiser.device
-        self.factor = pipe.vae_scale_factor
+        self.factor = pipe.vae_scale_factor  # pixels per latent
+        self.multiple = self.factor * getattr(pipe, "patch_size", 1)  # a transformer's latent patches: SD3's 2
         self.native = native_size(pipe)
         self.own_scheduler = (type(pipe.scheduler), pipe.scheduler.config)
         if accelerator is not None:  # the default scheduler must work with it before anything is computed
@@ -306,8 +307,6 @@ class Engine:
         self._calls_seen: deque[tuple[float, float]] = deque(maxlen=64)  # (native-size rows, seconds) per call
         self._image_s: dict[str, float] = {}  # encode, decode -> running mean of seconds per image
         self._working: dict[str, float] = {}  # stage -> when its current call last made progress
-        with torch.no_grad():  # the unconditional embedding of classifier-free guidance, once
-            self.null_embeds = pipe.encode_prompt([""], self.device, 1, False)[0]
         self.threads: list[threading.Thread] = []
         self._step_limits: dict[tuple, str | None] = {}
         self._calls: dict[tuple, int] = {}  # (scheduler, steps) -> UNet calls of the trajectory
@@ -323,7 +322,7 @@ class Engine:
     def needs_cfg(self, guidance_scale: float) -> bool:
         """Whether a call at this guidance runs classifier-free guidance (two UNet rows per image), as the
         pipeline decides: guidance > 1, and the UNet neither takes guidance as an input nor distilled it."""
-        return (guidance_scale > 1 and self.denoiser.config.time_cond_proj_dim is None
+        return (guidance_scale > 1 and self.denoiser.config.get("time_cond_proj_dim") is None
                 and not getattr(self.pipe.config, "guidance_distilled", False))
 
     def check(self, prompts: list[str], steps: int | None, guidance_scale: float | None, height: int | None,
@@ -349,9 +348,10 @@ class Engine:
         if guidance_scale is not None and not 0 <= guidance_scale <= 50:
             errors.append(("guidance_scale", f"guidance_scale={guidance_scale} must lie in [0, 50]"))
         for name, value in (("height", height), ("width", width)):
-            if value is not None and (value % self.factor or not self.factor <= value <= 4 * self.native):
-                errors.append((name, f"{name}={value} must be a multiple of the VAE factor {self.factor} in "
-                                     f"[{self.factor}, {4 * self.native}] (this model's native size is {self.native})"))
+            if value is not None and (value % self.multiple or not self.multiple <= value <= 4 * self.native):
+                what = "VAE factor" if self.multiple == self.factor else "VAE factor x patch size"
+                errors.append((name, f"{name}={value} must be a multiple of the {what} {self.multiple} in "
+                                     f"[{self.multiple}, {4 * self.native}] (this model's native size is {self.native})"))
         if scheduler is not None and scheduler not in SCHEDULERS:
             errors.append(("scheduler", f"scheduler={scheduler!r} is unknown; use one of {sorted(SCHEDULERS)}"))
         elif steps is not None and 1 <= steps <= self.max_steps:
@@ -690,23 +690,29 @@ class Engine:
 
     @torch.no_grad()
     def _encode(self, jobs: list[Job]) -> None:
-        embeds = self.embed([prompt for job in jobs for prompt in job.prompts])
-        for job, part in zip(jobs, embeds.split([j.n for j in jobs])):
-            job.embeds = part
+        sizes: dict[tuple, list[Job]] = {}
+        for job in jobs:  # one encoder call per image size: a family may condition on it (SDXL's size ids)
+            sizes.setdefault(job.size_key(), []).append(job)
+        for size, group in sizes.items():
+            cond = self.embed([prompt for job in group for prompt in job.prompts], size)
+            for job, part in zip(group, split_condition(cond, [j.n for j in group])):
+                job.embeds = part
 
-    def embed(self, prompts: list[str]) -> torch.Tensor:
-        """The prompts' text embeddings, as ``pipe.encode_prompt`` makes them without guidance, except that the
-        prompts are tokenised once, with truncation: ``encode_prompt`` tokenises each prompt a second time in full
-        to log what truncation removed, which echoes the prompt into the log and takes seconds for a long one."""
+    def embed(self, prompts: list[str], size: tuple[int, int] | None = None) -> dict:
+        """The family's condition of the prompts for images of ``size`` (height, width; default the native size),
+        as the pipeline's ``encode_prompt`` makes it without guidance, except that the prompts are tokenised once,
+        with truncation: ``encode_prompt`` tokenises each prompt a second time in full to log what truncation
+        removed, which echoes the prompt into the log and takes seconds for a long one."""
         pipe = self.pipe
         if hasattr(pipe, "maybe_convert_prompt"):  # textual-inversion tokens, as encode_prompt expands them
             prompts = pipe.maybe_convert_prompt(prompts, pipe.tokenizer)
-        tokens = pipe.tokenizer(prompts, padding="max_length", max_length=pipe.tokenizer.model_max_length,
-                                truncation=True, return_tensors="pt")
-        encoder = pipe.text_encoder
-        mask = tokens.attention_mask.to(self.device) if getattr(encoder.config, "use_attention_mask", False) else None
-        embeds = encoder(tokens.input_ids.to(self.device), attention_mask=mask)[0]
-        return embeds.to(dtype=encoder.dtype, device=self.device)
+        batch = {"caption": prompts, "image_size": size or (self.native, self.native)}
+        return {key: value.to(self.device) for key, value in self.family.condition(batch).items()}
+
+    def null(self, like: dict) -> dict:
+        """The null condition of classifier-free guidance for the rows of ``like`` (the condition it pairs with)."""
+        n = len(next(iter(like.values())))
+        return self.null_family.null_condition(n, self.device, like=like)
 
     def scheduler_for(self, name: str | None):
         """A fresh scheduler: the pipeline's own class and config for ``None`` (or the export's own name),
@@ -728,8 +734,8 @@ class Engine:
         first = jobs[0]
         pipe = self.pipe
         pipe.scheduler = self.scheduler_for(first.scheduler)
-        embeds = torch.cat([job.embeds for job in jobs])
-        negative = self.null_embeds.expand(len(embeds), -1, -1) if self.needs_cfg(first.guidance_scale) else None
+        cond = concat_all([job.embeds for job in jobs])
+        negative = self.null(cond) if self.needs_cfg(first.guidance_scale) else None
         if self.sampling is not None:
             self.sampling.update(scheduler_name=first.scheduler or self.own_name or "own",
                                  guidance_scale=first.guidance_scale, prompts=[p for job in jobs for p in job.prompts],
@@ -745,7 +751,7 @@ class Engine:
                 pipe._interrupt = True
             return tensors
 
-        latents = pipe(prompt_embeds=embeds, negative_prompt_embeds=negative, num_inference_steps=first.steps,
+        latents = pipe(**self.family.pipeline_call_inputs(cond, negative), num_inference_steps=first.steps,
                        guidance_scale=first.guidance_scale, height=first.height, width=first.width,
                        generator=self._generators(jobs), output_type="latent", callback_on_step_end=progress,
                        callback_on_step_end_tensor_inputs=[]).images
@@ -755,13 +761,14 @@ class Engine:
     @torch.no_grad()
     def _decode(self, jobs: list[Job]) -> None:
         pipe = self.pipe
-        vae = pipe.vae
         latents = torch.cat([job.latents for job in jobs])
-        pixels = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        pixels = self.family.decode(latents.to(pipe.vae.dtype))  # with the VAE's shift_factor where it has one
         denormalize = None
         if getattr(pipe, "safety_checker", None) is not None:  # as pipe(prompt) does: flagged images come out black
             pixels, flagged = pipe.run_safety_checker(pixels, self.device, latents.dtype)
             denormalize = [not f for f in flagged] if flagged is not None else None
+        if getattr(pipe, "watermark", None) is not None:  # as SDXL's pipe(prompt) marks its images
+            pixels = pipe.watermark.apply_watermark(pixels)
         images = pipe.image_processor.postprocess(pixels, output_type="pil", do_denormalize=denormalize)
         offset = 0
         for job in jobs:
@@ -787,12 +794,13 @@ class Engine:
     # ---------------------------------------------------------------- stream batching
 
     def _prepare(self, job: Job) -> None:
-        """Per-job state of the denoising loop, as ``StableDiffusionPipeline.__call__`` sets it up."""
+        """Per-job state of the denoising loop, as the family's pipeline ``__call__`` sets it up."""
         from diffusers.utils.torch_utils import randn_tensor
 
         pipe = self.pipe
         if self.device.type == "cuda":  # made on the encoder's stream, read and freed on this one
-            job.embeds.record_stream(torch.cuda.current_stream(self.device))
+            for value in job.embeds.values():
+                value.record_stream(torch.cuda.current_stream(self.device))
         job.sched = self.scheduler_for(job.scheduler)
         job.sched.set_timesteps(job.steps, device=self.device)
         job.timesteps, job.index = job.sched.timesteps, 0
@@ -800,18 +808,19 @@ class Engine:
         gens = self._generators([job])
         c = self.denoiser.config
         shape = (job.n, c.in_channels, job.height // self.factor, job.width // self.factor)
-        job.latents = randn_tensor(shape, generator=gens, device=self.device, dtype=job.embeds.dtype)
-        job.latents = job.latents * job.sched.init_noise_sigma
+        dtype = job.embeds["encoder_hidden_states"].dtype  # the prompt embeddings', as the pipeline's latents
+        job.latents = randn_tensor(shape, generator=gens, device=self.device, dtype=dtype)
+        job.latents = job.latents * getattr(job.sched, "init_noise_sigma", 1.0)  # a flow scheduler starts at 1
         job.cfg = self.needs_cfg(job.guidance_scale)
         params = inspect.signature(job.sched.step).parameters  # the pipeline's prepare_extra_step_kwargs, per job
         job.step_kwargs = {**({"eta": 0.0} if "eta" in params else {}),
                            **({"generator": gens} if "generator" in params else {})}
-        if c.time_cond_proj_dim is not None:  # the guidance embedding of LCM-style students
+        if c.get("time_cond_proj_dim") is not None:  # the guidance embedding of LCM-style students
             w = torch.tensor(job.guidance_scale - 1).repeat(job.n)
-            job.cond = pipe.get_guidance_scale_embedding(w, embedding_dim=c.time_cond_proj_dim).to(
+            job.timestep_cond = pipe.get_guidance_scale_embedding(w, embedding_dim=c.time_cond_proj_dim).to(
                 device=self.device, dtype=job.latents.dtype)
-        if job.cfg:
-            job.embeds = torch.cat([self.null_embeds.expand(job.n, -1, -1), job.embeds])
+        if job.cfg:  # the pipeline's order: [unconditional, conditional]
+            job.embeds = concat_all([self.null(job.embeds), job.embeds])
 
     def _stream_denoiser(self, inp, out) -> None:
         """Continuous batching of denoising steps: admit encoded jobs while there is room, advance every
@@ -903,7 +912,8 @@ class Engine:
                     _settle(job, error=err)
 
     def _stream_unet(self, jobs: list[Job]) -> list[torch.Tensor]:
-        """The guided noise prediction of each job (of one image size) at its current step, in one UNet call."""
+        """The guided prediction of each job (of one image size) at its current step, in one network call (the
+        family's ``denoise_at``, at the schedulers' own timesteps)."""
         xs, ts, embeds, conds = [], [], [], []
         for job in jobs:
             t = job.timesteps[job.index]
@@ -913,12 +923,12 @@ class Engine:
             xs.append(x)
             ts.append(t.reshape(1).expand(len(x)))
             embeds.append(job.embeds)
-            if job.cond is not None:
-                conds.append(job.cond)
+            if job.timestep_cond is not None:
+                conds.append(job.timestep_cond)
         dtypes = {t.dtype for t in ts}
         t_all = torch.cat([t.float() for t in ts]) if len(dtypes) > 1 else torch.cat(ts)
-        out = self.denoiser(torch.cat(xs), t_all, encoder_hidden_states=torch.cat(embeds),
-                           timestep_cond=torch.cat(conds) if conds else None, return_dict=False)[0]
+        extra = {"timestep_cond": torch.cat(conds)} if conds else {}
+        out = self.family.denoise_at(self.denoiser, torch.cat(xs), t_all, concat_all(embeds), **extra)
         predictions = []
         for job, pred in zip(jobs, out.split([len(x) for x in xs])):
             if job.cfg:
@@ -926,3 +936,14 @@ class Engine:
                 pred = uncond + job.guidance_scale * (text - uncond)
             predictions.append(pred)
         return predictions
+
+
+def concat_all(conds: list[dict]) -> dict:
+    """Stack condition dicts along the batch."""
+    return {key: torch.cat([cond[key] for cond in conds]) for key in conds[0]}
+
+
+def split_condition(cond: dict, sizes: list[int]) -> list[dict]:
+    """A condition dict cut along the batch into parts of ``sizes`` rows."""
+    parts = {key: value.split(sizes) for key, value in cond.items()}
+    return [{key: parts[key][i] for key in cond} for i in range(len(sizes))]
