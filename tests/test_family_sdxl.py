@@ -278,10 +278,3 @@ def test_two_steps_of_every_other_method_export_a_pipeline_that_samples(sdxl, tm
         with torch.no_grad():
             merged, adapters = (family.denoise(unet, x, t + 500, cond) for unet in (pipe.unet, stock.unet))
         torch.testing.assert_close(adapters, merged, rtol=0, atol=1e-5)
-
-
-def test_serve_refuses_an_sdxl_pipeline_naming_what_samples_it(stock):
-    from distill.serve.engine import Engine
-
-    with pytest.raises(ValueError, match="is an SDXL pipeline, which distill.serve does not serve yet"):
-        Engine(stock, steps=2, guidance_scale=1.0)

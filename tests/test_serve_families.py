@@ -169,3 +169,24 @@ def test_classifier_guidance_steers_sdxl_with_its_familys_schedule(sdxl, tmp_pat
     grad = guidance.gradient(x, t, torch.tensor([4]))
     assert grad.abs().max() > 0
     assert torch.allclose(guided, plain - (1 - abar).sqrt() * 2.0 * grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd3"])
+def test_distill_serve_builds_its_engine_on_a_saved_pipeline_of_the_family(family, tmp_path):
+    """``python -m distill.serve pipeline=<folder>``'s engine (``cli.build``) on the saved stand-in serves the image
+    of the pipeline loaded from the same folder."""
+    from distill.inference.loading import load_pipeline
+    from distill.serve.cli import build
+    from tests.sd3_tiny import write_tiny_sd3
+    from tests.test_serve import _compose_serve
+
+    folder = (write_tiny_sdxl if family == "sdxl" else write_tiny_sd3)(tmp_path / family)
+    engine, _ = build(_compose_serve(f"pipeline={folder}", "device=cpu", f"steps={STEPS}",
+                                     f"guidance_scale={GUIDANCE}", "engine.mode=stream"))
+    try:
+        image = pixels(engine.submit(engine.job([PROMPTS[1]], seed=2)).result(timeout=60).png[0])
+    finally:
+        engine.close()
+    pipe = load_pipeline(str(folder))
+    pipe.set_progress_bar_config(disable=True)
+    assert np.array_equal(image, reference(pipe, PROMPTS[1], 2))

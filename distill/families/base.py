@@ -15,7 +15,10 @@ instance is bound to one model's frozen parts: its noise scheduler (``schedule``
   of the family (the student has the teacher's signature);
 - export: ``pipeline(network, scheduler, **call_defaults)`` of ``pipeline_class``, ``default_scheduler()``;
 - pipelines: ``denoiser_of(pipe)`` and ``set_denoiser(pipe, network)``, through the pipeline component named
-  ``denoiser_component``;
+  ``denoiser_component``; ``from_pipeline(pipe)``, an instance on an in-memory pipeline's parts (its
+  ``conditioner_of``), for pipeline-level code (classifier guidance, the server), which also calls
+  ``denoise_at`` (the network at a sampling scheduler's own timestep), ``unscale_latents`` and
+  ``pipeline_call_inputs`` (a condition as the pipeline call's ``prompt_embeds``, ... keyword arguments);
 - ``feature_blocks(network)``, the named blocks feature distillation and feature caching use.
 
 A family instance is a plain object, not a module: the method registers the same VAE, conditioner and schedule

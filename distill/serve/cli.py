@@ -105,7 +105,7 @@ def build(cfg: DictConfig):
     for name in ("encode_prompt", "vae"):
         if not hasattr(pipe, name):
             raise ValueError(f"pipeline={cfg.pipeline!r} is a {type(pipe).__name__}; distill.serve serves text-to-image "
-                             "pipelines of the StableDiffusionPipeline layout (encode_prompt, a denoiser, vae)")
+                             "pipelines of a registered model family (encode_prompt, a denoiser, vae)")
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     pipe.to(device)
     if cfg.dtype != "float32":

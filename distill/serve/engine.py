@@ -1,6 +1,8 @@
 """The generation engine behind ``distill.serve``: dynamic batching, pipelined stages and stream batching for
-any Stable-Diffusion-format pipeline (teacher, LCM, progressive, MoE or compressed student, with or without a
-training-free accelerator).
+any text-to-image pipeline of a registered model family (SD, SDXL, SD3: a teacher, or an LCM, progressive, MoE or
+compressed student, with or without a training-free accelerator). Every stage goes through the family
+(``distill.families``): the prompts through ``condition`` / ``null_condition``, stream mode's network calls through
+``denoise_at``, the latents through ``decode`` (with the VAE's ``shift_factor`` where it has one).
 
 A request (a :class:`Job`: prompts, seeds, steps, guidance, size, scheduler) passes three stages, each a
 batch at a time: text encoding, denoising, VAE decoding (+ PNG encoding). ``mode`` chooses how:
@@ -13,14 +15,14 @@ batch at a time: text encoding, denoising, VAE decoding (+ PNG encoding). ``mode
 - ``stream``: pipelined stages, and the denoiser batches *steps*, not requests (StreamDiffusion's stream batch,
   Kodaira et al. 2023, the continuous batching of LLM servers): every denoiser call advances each active job
   by one step of its own scheduler, so jobs that arrived at different times, with different step counts,
-  guidance scales or schedulers share one UNet batch, and a finished job leaves at once while a new one joins.
+  guidance scales or schedulers share one network batch, and a finished job leaves at once while a new one joins.
 
 Every image's noise comes from its own ``torch.Generator`` seeded with its seed (the initial latents and any
 noise a stochastic scheduler draws), so an image depends on its seed and request, not on what it was
 batched with. Modes ``sequential``/``batch``/``pipeline`` call the pipeline itself (``output_type="latent"``)
-with the encoded prompts: its own loop, hooks and accelerators. ``stream`` runs the loop of diffusers'
-``StableDiffusionPipeline.__call__`` per job (scale input, UNet, classifier-free guidance or the guidance
-embedding, scheduler step), batched across jobs.
+with the encoded prompts (``pipeline_call_inputs``: SDXL's and SD3's pooled embeddings too): its own loop, hooks and
+accelerators. ``stream`` runs the loop of the family's pipeline ``__call__`` per job (scale input, network,
+classifier-free guidance or the guidance embedding, scheduler step), batched across jobs.
 
 Backpressure: at most ``queue_size`` jobs are held at once, waiting or in a stage (:class:`QueueFull` beyond it,
 the HTTP layer's 429), so memory is bounded under any load and an overload is refused at the door rather than
@@ -108,9 +110,9 @@ class Job:
     timestep_cond: torch.Tensor | None = None  # the guidance embedding of an LCM-style student
     png: list[bytes] = field(default_factory=list)
     stage: str = "queued"  # queued, then each of STAGES while in it, then done
-    rows: int = 1  # UNet rows per image and step (2 with classifier-free guidance)
-    calls: int = 0  # UNet calls of the trajectory (steps, or more for a second-order scheduler); index counts them
-    area: float = 1.0  # pixels per image relative to the model's native size (a UNet call's cost scales with it)
+    rows: int = 1  # network rows per image and step (2 with classifier-free guidance)
+    calls: int = 0  # network calls of the trajectory (steps, or more for a second-order scheduler); index counts them
+    area: float = 1.0  # pixels per image relative to the model's native size (a network call's cost scales with it)
 
     @property
     def n(self) -> int:
@@ -123,7 +125,7 @@ class Job:
 
     @property
     def units(self) -> float:
-        """What one UNet call costs for this job, in native-size rows: rows per image (2 with guidance) x images x
+        """What one network call costs for this job, in native-size rows: rows per image (2 with guidance) x images x
         relative area."""
         return self.rows * self.n * self.area
 
@@ -221,8 +223,8 @@ class JobQueue:
 
 
 class Engine:
-    """Serves generation requests on ``pipe`` (a ``StableDiffusionPipeline`` or subclass: an export of any
-    distill method, or any diffusers text-to-image pipeline of that layout).
+    """Serves generation requests on ``pipe``, a text-to-image pipeline of a registered model family (an export of
+    any distill method, or diffusers' own StableDiffusion, StableDiffusionXL or StableDiffusion3 pipeline).
 
     ``max_batch_size``: images per batch (and per request); ``max_wait_ms``: how long a batch waits to fill;
     ``queue_size``: jobs held at once (waiting or in a stage) before :meth:`submit` raises :class:`QueueFull`;
@@ -309,7 +311,7 @@ class Engine:
         self._working: dict[str, float] = {}  # stage -> when its current call last made progress
         self.threads: list[threading.Thread] = []
         self._step_limits: dict[tuple, str | None] = {}
-        self._calls: dict[tuple, int] = {}  # (scheduler, steps) -> UNet calls of the trajectory
+        self._calls: dict[tuple, int] = {}  # (scheduler, steps) -> network calls of the trajectory
         self.sampling = None  # the accelerator's sampling context (distill.accelerate), updated per call
         if accelerator is not None:
             from distill.accelerate import enable
@@ -320,8 +322,8 @@ class Engine:
     # ---------------------------------------------------------------- requests
 
     def needs_cfg(self, guidance_scale: float) -> bool:
-        """Whether a call at this guidance runs classifier-free guidance (two UNet rows per image), as the
-        pipeline decides: guidance > 1, and the UNet neither takes guidance as an input nor distilled it."""
+        """Whether a call at this guidance runs classifier-free guidance (two network rows per image), as the
+        pipeline decides: guidance > 1, and the network neither takes guidance as an input nor distilled it."""
         return (guidance_scale > 1 and self.denoiser.config.get("time_cond_proj_dim") is None
                 and not getattr(self.pipe.config, "guidance_distilled", False))
 
@@ -394,7 +396,7 @@ class Engine:
                    calls=self.calls_for(scheduler, steps), area=height * width / self.native ** 2)
 
     def calls_for(self, scheduler: str | None, steps: int) -> int:
-        """UNet calls of a trajectory of ``steps`` with ``scheduler`` (more than steps for a second-order one)."""
+        """Network calls of a trajectory of ``steps`` with ``scheduler`` (more than steps for a second-order one)."""
         key = (scheduler, steps)
         if key not in self._calls:
             sched = self.scheduler_for(scheduler)
@@ -824,7 +826,7 @@ class Engine:
 
     def _stream_denoiser(self, inp, out) -> None:
         """Continuous batching of denoising steps: admit encoded jobs while there is room, advance every
-        active job by one step (one UNet call per image size among them), pass finished jobs to the decoder.
+        active job by one step (one network call per image size among them), pass finished jobs to the decoder.
 
         Admission is first come, first served whatever a job's size, steps, guidance or scheduler: the oldest
         waiting job is admitted as soon as the active jobs leave room for its images, and no younger job
@@ -877,7 +879,7 @@ class Engine:
 
     @torch.no_grad()
     def _stream_step(self, jobs: list[Job]) -> None:
-        """Advance each job by one step of its own scheduler: one UNet call per image size among them. A UNet
+        """Advance each job by one step of its own scheduler: one network call per image size among them. A network
         call that fails is made again for each of its jobs alone, and a scheduler step that fails fails its job
         alone, so that one bad job never fails the others (a job's state changes only once its step is done)."""
         groups: dict[tuple, list[Job]] = {}
