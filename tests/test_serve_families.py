@@ -190,3 +190,12 @@ def test_distill_serve_builds_its_engine_on_a_saved_pipeline_of_the_family(famil
     pipe = load_pipeline(str(folder))
     pipe.set_progress_bar_config(disable=True)
     assert np.array_equal(image, reference(pipe, PROMPTS[1], 2))
+
+
+def test_classifier_guidance_without_a_pipeline_says_what_it_needs(sd3, tmp_path):
+    from distill.accelerate import ClassifierGuidance, SamplingContext
+    from distill.models.noisy_classifier import NoisyLatentClassifier
+
+    NoisyLatentClassifier(channels=(16, 32), time_dim=32, groups=4).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="noise schedule \\(its model family\\).*use_pipeline\\(pipe\\)"):
+        ClassifierGuidance(classifier=str(tmp_path)).attach(sd3.transformer, SamplingContext())

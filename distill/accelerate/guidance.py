@@ -117,6 +117,10 @@ class ClassifierGuidance(Accelerator):
             self.use_pipeline(context.pipe)
         if self.classifier is None:
             self.classifier = load_guide(self.mode, self.path)
+        if self.family is None:
+            raise ValueError("accelerate=classifier steers with the pipeline's noise schedule (its model family): "
+                             "sample through the pipeline, accelerated(pipe, ...) or enable(pipe, ...), or call "
+                             "use_pipeline(pipe) first")
         config = denoiser.config
         if self.mode == "noisy":
             want = (self.classifier.in_channels, self.classifier.sample_size)
