@@ -18,6 +18,7 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 
+import distill.inference.pipelines  # noqa: F401  (registers distill's export classes, as a user loading an export does)
 from distill.diffusion.consistency import (
     consistency_output,
     flow_boundary_scalings,
@@ -175,13 +176,13 @@ def test_a_resolution_shifted_flow_teacher_is_refused_at_construction(tmp_path):
                                       sampling={"name": "flow_lcm", "num_inference_steps": 4, "guidance_scale": 1.0})
 
 
-FLOW_FAST = ["scheduler=flow_lcm", "student.time_cond_proj_dim=null", "callbacks.quality_cost=null", "data.batch_size=4",
+FLOW_FAST = ["callbacks.quality_cost=null", "data.batch_size=4",
              "trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "callbacks.samples.num_seeds=1",
              "sample_grid_seeds=1", "logger=csv"]
 
 
 def test_two_cli_steps_on_the_sd3_teacher_export_a_flow_lcm_pipeline(sd3_dir, tmp_path):
-    """+exp=consistency on the SD3 folder: 2 steps, a finite loss, an export whose model_index.json names
+    """+exp=consistency_flow (the preset) on the SD3 folder: 2 steps, a finite loss, an export whose model_index.json names
     DistillSD3Pipeline on FlowMatchLCMScheduler, 4 steps guidance-distilled; DiffusionPipeline.from_pretrained
     samples it with 4 transformer passes of 1 example (no CFG pass), and the stock StableDiffusion3Pipeline called
     with the card's arguments gives the same images (FlowMatchLCMScheduler re-noises from the global RNG: seeded
@@ -189,7 +190,7 @@ def test_two_cli_steps_on_the_sd3_teacher_export_a_flow_lcm_pipeline(sd3_dir, tm
     from distill.metrics.cost import NFECounter
 
     run_dir = tmp_path / "run"
-    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={sd3_dir}", *FLOW_FAST,
+    proc = run_train("+exp=consistency_flow", f"teacher.pretrained_model_name_or_path={sd3_dir}", *FLOW_FAST,
                      f"hydra.run.dir={run_dir}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(r["train/loss"]) for r in csv.DictReader(open(run_dir / "csv" / "metrics.csv")) if r.get("train/loss")]

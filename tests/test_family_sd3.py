@@ -292,3 +292,13 @@ def test_a_hub_sd3_teacher_is_refused_from_its_configs_before_its_weights(sd3_di
         _check_method_serves_teacher(cfg)
     assert fetched == ["model_index.json", "scheduler/scheduler_config.json", "unet/config.json",
                        "transformer/config.json"]
+
+
+def test_the_documented_import_registers_every_familys_export_class():
+    """`import distill.inference.pipelines` (README: what loading any distill export needs) registers the SD3
+    family's DistillSD3Pipeline with diffusers too, in a fresh process that imports nothing else of distill."""
+    code = ("import sys, diffusers, distill.inference.pipelines; "
+            "print(diffusers.DistillSD3Pipeline.__module__, 'distill.families.sd3' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["distill.families.sd3", "True"]

@@ -178,3 +178,11 @@ class DistillClassPipeline(DiffusionPipeline):
 for _cls in (DistillTextToImagePipeline, DistillStableDiffusionXLPipeline, DistillClassPipeline):
     # DiffusionPipeline.from_pretrained looks model_index.json's _class_name up in this namespace
     setattr(diffusers, _cls.__name__, _cls)
+
+# every registered family's export class too (DistillSD3Pipeline, ...), so that this one import is what loading
+# any distill export needs; families that build on the classes above import this module first
+from distill.families import FAMILIES  # noqa: E402
+
+for _name, _family in FAMILIES.load().items():
+    if _family.pipeline_class is not None:
+        setattr(diffusers, _family.pipeline_class.__name__, _family.pipeline_class)
