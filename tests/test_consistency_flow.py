@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +17,6 @@ from diffusers import (
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     FlowMatchLCMScheduler,
-    StableDiffusion3Pipeline,
 )
 
 import distill.inference.pipelines  # noqa: F401  (registers distill's export classes, as a user loading an export does)
@@ -176,6 +177,24 @@ def test_a_resolution_shifted_flow_teacher_is_refused_at_construction(tmp_path):
                                       sampling={"name": "flow_lcm", "num_inference_steps": 4, "guidance_scale": 1.0})
 
 
+# the stock pipeline in a process that does not import distill, called with the model card's arguments (4 steps,
+# guidance 1: distilled in); FlowMatchLCMScheduler re-noises from the global RNG, so it is seeded alike
+STOCK_SD3 = """
+import sys
+import torch
+from diffusers import StableDiffusion3Pipeline
+
+pipe = StableDiffusion3Pipeline.from_pretrained(sys.argv[1], text_encoder_3=None, tokenizer_3=None)
+pipe.set_progress_bar_config(disable=True)
+torch.manual_seed(0)
+images = pipe(sys.argv[4], num_inference_steps=4, guidance_scale=1.0, max_sequence_length=int(sys.argv[3]),
+              generator=torch.Generator().manual_seed(0), output_type="pt").images
+torch.save(images, sys.argv[2])
+assert not any(name == "distill" or name.startswith("distill.") for name in sys.modules), "distill was imported"
+print(type(pipe).__name__, type(pipe.scheduler).__name__)
+"""
+
+
 FLOW_FAST = ["callbacks.quality_cost=null", "data.batch_size=4",
              "trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "callbacks.samples.num_seeds=1",
              "sample_grid_seeds=1", "logger=csv"]
@@ -211,13 +230,13 @@ def test_two_cli_steps_on_the_sd3_teacher_export_a_flow_lcm_pipeline(sd3_dir, tm
         ours = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), output_type="pt").images
     assert (counter.calls, counter.examples) == (4, 4) and ours.shape == (1, 1, 32, 32)
     assert torch.isfinite(ours).all() and ours.std() > 0
-    stock = StableDiffusion3Pipeline.from_pretrained(export, text_encoder_3=None, tokenizer_3=None)
-    stock.set_progress_bar_config(disable=True)
-    torch.manual_seed(0)
-    theirs = stock(PROMPTS[0], num_inference_steps=4, guidance_scale=1.0,
-                   max_sequence_length=index["default_max_sequence_length"],
-                   generator=torch.Generator().manual_seed(0), output_type="pt").images
-    assert type(stock.scheduler) is FlowMatchLCMScheduler and torch.equal(ours, theirs)
+    (tmp_path / "stock.py").write_text(STOCK_SD3)
+    proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(export), str(tmp_path / "x.pt"),
+                           str(index["default_max_sequence_length"]), PROMPTS[0]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["StableDiffusion3Pipeline", "FlowMatchLCMScheduler"]
+    assert torch.equal(ours, torch.load(tmp_path / "x.pt"))
 
 
 def test_a_flow_lcm_scheduler_on_a_vp_model_is_refused():
