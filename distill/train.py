@@ -139,9 +139,10 @@ def _instantiate_all(cfg: DictConfig):
 
     checkpoint_io = atomic_xla_checkpoint_io() if is_xla(cfg.trainer.accelerator) else AtomicCheckpointIO()
     # a method with several roles clips each role's update itself (Lightning refuses to under manual optimization)
-    adopt = getattr(method, "adopt_gradient_clipping", None)
-    own = adopt(cfg.trainer.gradient_clip_val, cfg.trainer.gradient_clip_algorithm,
-                cfg.trainer.accumulate_grad_batches) if adopt is not None else {}
+    # and runs DDP that finds unused parameters
+    adopt = getattr(method, "adopt_trainer_settings", None)
+    own = adopt(cfg.trainer.gradient_clip_val, cfg.trainer.gradient_clip_algorithm, cfg.trainer.accumulate_grad_batches,
+                cfg.trainer.get("strategy")) if adopt is not None else {}
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[checkpoint_io], **own)
     return datamodule, method, trainer
 

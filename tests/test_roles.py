@@ -79,6 +79,55 @@ def test_the_method_registered_from_one_file_trains_from_the_command_line(tmp_pa
     assert any(k.startswith("critic.") for k in state["state_dict"])
 
 
+def test_reduce_lr_on_plateau_steps_on_each_roles_own_loss(tmp_path):
+    """A ``ReduceLROnPlateau`` schedule (which needs a metric) per role: each steps once per training step on its
+    role's loss, so replaying the logged losses through fresh schedules gives the trained optimizers' LRs."""
+    plateau = {"_target_": "torch.optim.lr_scheduler.ReduceLROnPlateau", "_partial_": True, "patience": 0,
+               "factor": 0.5, "threshold": 0.0}
+    method, trainer = fit(tmp_path / "run", 6, 1, lr_scheduler=plateau, critic_lr_scheduler={**plateau, "mode": "max"})
+    rows = [r for r in _metrics(tmp_path / "run") if r.get("train/loss")]
+    for key, optimizer, mode in (("train/loss", trainer.optimizers[0], "min"),
+                                 ("train/critic_loss", trainer.optimizers[1], "max")):
+        replay = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3), mode=mode, patience=0, factor=0.5,
+            threshold=0.0)
+        losses = [float(r[key]) for r in rows]
+        assert len(losses) == 6
+        for loss in losses:
+            replay.step(loss)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(replay.get_last_lr()[0], rel=1e-12), key
+    assert trainer.optimizers[1].param_groups[0]["lr"] < 1e-3 / 2  # the critic's falling loss cut it (mode max)
+
+
+@pytest.mark.slow
+def test_several_roles_train_data_parallel_from_the_command_line(tmp_path):
+    """``trainer=cpu_ddp`` (2 gloo processes, each its own half of the data): every role's gradients are averaged
+    over the ranks at each update, so both ranks end with the same weights bit for bit, although they saw
+    different batches; 3 steps at 2 critic updates a step are 3 student and 6 critic updates on each rank."""
+    adam = "{_target_:torch.optim.Adam,_partial_:true,lr:0.001}"
+    args = ["method=two_optimizer", "student=tiny_generator", "teacher=none", "data.resolution=8", f"data.batch_size={BATCH}",
+            "trainer=cpu_ddp", "trainer.max_steps=3", f"method.optimizer={adam}", f"method.critic_optimizer={adam}",
+            "method.critic_updates_per_step=2", "export=false", "sample_grid_seeds=0", "logger=csv",
+            "callbacks.samples=null", f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "DISTILL_PLUGINS": "tests.examples.two_optimizer_method", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "distill.train", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 3 and state["role_updates"] == {"student": 3, "critic": 6}
+    # the example as a script saves each rank's final weights: equal across ranks with different data
+    run = tmp_path / "script"
+    run.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "tests.examples.two_optimizer_method", str(run), "3", "2", "ddp:2:split"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (torch.load(run / f"state_rank{r}.pt") for r in (0, 1))
+    assert rank0.pop("role_updates") == rank1.pop("role_updates") == {"student": 3, "critic": 6}
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    single, _ = fit(tmp_path / "single", 3, 2)  # one process on the whole batches: other data, other weights
+    assert not torch.equal(single.student[0].weight, rank0["student.0.weight"])
+
+
 def test_a_critic_ratio_of_k_steps_the_critic_k_times_per_student_update_and_max_steps_counts_students(tmp_path):
     steps, k = 5, 3
     from lightning.pytorch.callbacks import LearningRateMonitor
@@ -151,7 +200,7 @@ def test_each_roles_update_is_clipped_at_the_trainers_gradient_clip_val():
 
     adam = functools.partial(torch.optim.Adam, lr=1e-3)
     method = Clipped(tiny_generator(), adam, adam, critic_updates_per_step=2)
-    assert method.adopt_gradient_clipping(1e-4, "norm") == {"gradient_clip_val": None, "gradient_clip_algorithm": None}
+    assert method.adopt_trainer_settings(1e-4, "norm") == {"gradient_clip_val": None, "gradient_clip_algorithm": None}
     loader = torch.utils.data.DataLoader([{"pixel_values": torch.randn(BATCH, 1, 8, 8)}] * 3, batch_size=None)
     trainer = L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -165,7 +214,7 @@ def test_bad_role_settings_name_the_key_and_the_fix():
         method_from_config(0)
     with pytest.raises(ValueError, match=r"trainer.accumulate_grad_batches=2: TwoOptimizerMethod trains several roles "
                                          r"\(student, critic\).*set trainer.accumulate_grad_batches=1"):
-        method_from_config(1).adopt_gradient_clipping(1.0, None, 2)
+        method_from_config(1).adopt_trainer_settings(1.0, None, 2)
 
     class NoLoss(TwoOptimizerMethod):
         def __init__(self, *args, **kwargs):
@@ -176,10 +225,34 @@ def test_bad_role_settings_name_the_key_and_the_fix():
         NoLoss(tiny_generator(), torch.optim.Adam, torch.optim.Adam)
     with pytest.raises(ValueError, match="role 'critic' is already declared"):
         method_from_config(1).add_role("critic", torch.optim.Adam)
+    from lightning.pytorch.strategies import DDPStrategy
+
     method = method_from_config(1)
-    method._trainer = type("DataParallel", (), {"world_size": 2})()
-    with pytest.raises(ValueError, match=r"runs on one device for now, not 2 processes; set trainer.devices=1"):
+    method._trainer = type("DataParallel", (), {"world_size": 2, "strategy": DDPStrategy()})()
+    with pytest.raises(ValueError, match=r"over 2 processes with DDPStrategy.*use "
+                                         r"trainer.strategy=ddp_find_unused_parameters_true"):
         method.configure_optimizers()
+    method._trainer.strategy = DDPStrategy(find_unused_parameters=True)
+    optimizers, _ = method.configure_optimizers()
+    assert len(optimizers) == 2
+
+
+def test_several_roles_adopt_ddp_that_finds_unused_parameters_and_refuse_sharding(compose):
+    """``trainer=ddp`` becomes DDP that finds unused parameters (each role's backward reaches only its network);
+    ``trainer=fsdp`` is refused at validation, before any model is built, naming the roles and the fix."""
+    from distill.config.validate import ConfigError, method_roles, validate
+
+    method = method_from_config(1)
+    assert method.adopt_trainer_settings(1.0, None, 1, "ddp")["strategy"] == "ddp_find_unused_parameters_true"
+    assert "strategy" not in method.adopt_trainer_settings(1.0, None, 1, "auto")
+    adam = "{_target_:torch.optim.Adam,_partial_:true,lr:0.001}"
+    args = ["method=two_optimizer", "student=tiny_generator", "teacher=none", "data.resolution=8",
+            f"method.optimizer={adam}", f"method.critic_optimizer={adam}"]
+    assert method_roles(compose(*args).method) == ["student", "critic"]
+    assert method_roles(compose().method) == ["student"]
+    with pytest.raises(ConfigError, match=r"trainer=fsdp with method .*TwoOptimizerMethod, which trains several roles "
+                                          r"\(student, critic\).*use trainer=ddp"):
+        validate(compose(*args, "trainer=cpu_fsdp"))
 
 
 def test_a_student_alone_keeps_lightnings_automatic_optimization():
@@ -191,7 +264,9 @@ def test_a_student_alone_keeps_lightnings_automatic_optimization():
     method = StudentOnly()
     assert method.automatic_optimization and list(method.roles) == ["student"]
     assert isinstance(method.configure_optimizers(), torch.optim.SGD)  # one optimizer, as before roles existed
-    assert method.adopt_gradient_clipping(1.0, None, 4) == {} and method.gradient_clip_val is None
+    assert method.adopt_trainer_settings(1.0, None, 4) == {} and method.gradient_clip_val is None
+    method.lr_scheduler_factory = functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, patience=0)
+    assert method.configure_optimizers()["lr_scheduler"]["monitor"] == "train/loss"  # Lightning steps it on the loss
     two = method_from_config(1)
     assert not two.automatic_optimization and list(two.roles) == ["student", "critic"]
 

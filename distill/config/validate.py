@@ -254,6 +254,13 @@ def _check_outputs(cfg: DictConfig) -> None:
         raise ConfigError(error)
 
 
+def method_roles(method: DictConfig) -> list[str]:
+    """The networks a method's config trains by role: the student (``method.optimizer``) and each role whose
+    ``method.<role>_optimizer`` is set (``DistillMethod.add_role`` names a role's constructor arguments so)."""
+    return ["student"] + [key[: -len("_optimizer")] for key in method if key.endswith("_optimizer")
+                          and not OmegaConf.is_missing(method, key) and method[key] is not None]
+
+
 def _check_optimizers(node, prefix: str = "method") -> None:
     """Every learning rate under the method (the optimizer of each role) is positive."""
     for key in node.keys() if isinstance(node, DictConfig) else ():
@@ -320,6 +327,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer=tpu with student {cfg.student._target_}: a mixture of experts routes samples to "
                           "experts with data-dependent shapes, which XLA recompiles for every batch; use a dense, copy "
                           "or LoRA student on XLA, or trainer=gpu/ddp for the mixture")
+    roles = method_roles(cfg.method)
+    if len(roles) > 1 and sharded:
+        raise ConfigError(f"trainer=fsdp with method {cfg.method._target_}, which trains several roles "
+                          f"({', '.join(roles)}), one backward each per step: that runs on one device or under data "
+                          "parallelism, not sharded; use trainer=ddp (or one device: trainer=gpu)")
     if sharded and routed:
         raise ConfigError(f"trainer=fsdp with student {cfg.student._target_}: each rank runs only the experts its own "
                           "samples or tokens are routed to, while FSDP needs every rank to gather and reduce every "

@@ -59,6 +59,20 @@ FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_NOISE = NoiseOptions()  # method.noise's defaults (NoiseOptions); never mutated
 
 
+def _plateau_monitor(scheduler, key: str) -> dict:
+    """What Lightning needs to step a ``ReduceLROnPlateau`` schedule under automatic optimization: the logged loss
+    it watches, every step; nothing for any other schedule (several roles step theirs in ``update_roles``)."""
+    return {"monitor": key} if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) else {}
+
+
+def finds_unused_parameters(strategy) -> bool:
+    """Whether a Lightning strategy is DDP told to find unused parameters (what several roles need: each role's
+    backward reaches only its own network)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return isinstance(strategy, DDPStrategy) and bool(strategy._ddp_kwargs.get("find_unused_parameters"))
+
+
 def _check_compile_supported(device: torch.device | None = None) -> None:
     """torch.compile runs here: dynamo supports the platform and, on CPU, a C++ compiler is on the PATH."""
     import os
@@ -119,12 +133,14 @@ class DistillMethod(L.LightningModule):
     automatically, as it always did. With several roles the base optimizes manually: each training step runs, on
     its one batch, ``updates_per_step`` updates of each other role in the order they were added, then the student's
     update (each: zero its gradients, its loss with only its parameters requiring gradients, backward, the non-finite
-    guard, clipping at the trainer's ``gradient_clip_val`` (``adopt_gradient_clipping``), its optimizer step), then
+    guard, clipping at the trainer's ``gradient_clip_val`` (``adopt_trainer_settings``), its optimizer step), then
     steps each role's LR schedule once. One step is one student update, whatever the other roles' ratios:
     ``trainer.global_step``, ``trainer.max_steps``, checkpoint names, the loggers' step, the EMA, the LR schedules'
     step counts (e.g. ``total_steps: ${trainer.max_steps}``) all count student updates. Each role's optimizer and
     schedule state and update count are in the checkpoint; its random numbers come from the global generators,
     which the checkpoint holds too (``RNGState``), so a resume is bit-exact. Gradient accumulation is refused there.
+    Under DDP every update's gradients are averaged over the ranks (Lightning prepares the reducer for each manual
+    backward; the strategy must find unused parameters); sharded (FSDP) training of several roles is refused.
     """
 
     def __init__(self, optimizer: Callable, lr_scheduler: Callable | None = None, *, compile: bool = False,
@@ -144,7 +160,7 @@ class DistillMethod(L.LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self._other_roles: dict[str, Role] = {}  # add_role
         self.role_updates: dict[str, int] = {"student": 0}  # updates run under manual optimization (checkpointed)
-        self.gradient_clip_val: float | None = None  # manual optimization: the trainer's (adopt_gradient_clipping)
+        self.gradient_clip_val: float | None = None  # manual optimization: the trainer's (adopt_trainer_settings)
         self.gradient_clip_algorithm: str | None = None
         self.compile_networks, self.frozen_dtype, self.channels_last = compile, frozen_dtype, channels_last
         self.latent_cache, self.latent_cache_dir = latent_cache, latent_cache_dir
@@ -444,7 +460,8 @@ class DistillMethod(L.LightningModule):
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step",
+                                                         **_plateau_monitor(scheduler, "train/loss")}}
 
     # ------------------------------------------------------------------ networks and optimizers by role
 
@@ -488,6 +505,11 @@ class DistillMethod(L.LightningModule):
                             f"{type(network).__name__}, not a network")
         return [p for p in network.parameters() if p.requires_grad]
 
+    @staticmethod
+    def role_loss_key(name: str) -> str:
+        """The logged training loss of role ``name``."""
+        return "train/loss" if name == "student" else f"train/{name}_loss"
+
     def role_of(self, optimizer) -> str:
         """The role that ``optimizer`` (a torch optimizer, or Lightning's wrapper of one) updates."""
         optimizer = getattr(optimizer, "optimizer", optimizer)
@@ -517,14 +539,17 @@ class DistillMethod(L.LightningModule):
     def update_roles(self, batch: dict) -> None:
         """One training step on ``batch``: each other role's ``updates_per_step`` updates in the order they were
         added, then the student's update (during the others' updates ``global_step`` is this step's index, as in
-        an automatic step), then each LR schedule's step."""
+        an automatic step), then each LR schedule's step (a ``ReduceLROnPlateau`` on the role's last loss)."""
         optimizers = dict(zip(self.roles, self.optimizers()))
         n = batch_size_of(batch)
         for role in [*self._other_roles.values(), self.roles["student"]]:
             for _ in range(role.updates_per_step):
                 self._update(role.name, optimizers[role.name], batch, n)
-        for scheduler in self._role_schedulers.values():
-            scheduler.step()
+        for name, scheduler in self._role_schedulers.items():
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                scheduler.step(self._last_role_loss[name])  # on the role's loss of its last update this step
+            else:
+                scheduler.step()
 
     def _update(self, name: str, optimizer, batch: dict, n: int) -> None:
         """One update of role ``name``: only its parameters require gradients meanwhile. The student steps through
@@ -533,8 +558,8 @@ class DistillMethod(L.LightningModule):
         with self.toggled_optimizer(optimizer):
             optimizer.zero_grad()
             loss = getattr(self, f"{name}_loss")(batch)
-            self.log("train/loss" if name == "student" else f"train/{name}_loss", loss, prog_bar=name == "student",
-                     batch_size=n)
+            self.log(self.role_loss_key(name), loss, prog_bar=name == "student", batch_size=n)
+            self._last_role_loss[name] = loss.detach()
             if name == "student":
                 loss = self.add_student_aux_loss(loss, n)
             self.manual_backward(loss)
@@ -549,11 +574,14 @@ class DistillMethod(L.LightningModule):
     def _configure_role_optimizers(self) -> tuple[list, list]:
         """One optimizer per role, in role order, and the LR schedulers of those that have one (stepped by
         ``update_roles``; Lightning steps none under manual optimization, but checkpoints and restores them)."""
-        if self.trainer.world_size > 1:  # DDP syncs the gradients of one backward per forward, not of k + 1
-            raise ValueError(f"{type(self).__name__} trains several roles ({', '.join(self.roles)}), which runs on one "
-                             f"device for now, not {self.trainer.world_size} processes; set trainer.devices=1")
+        if self.trainer.world_size > 1 and not finds_unused_parameters(self.trainer.strategy):
+            raise ValueError(f"{type(self).__name__} trains several roles ({', '.join(self.roles)}) over "
+                             f"{self.trainer.world_size} processes with {type(self.trainer.strategy).__name__}: each "
+                             "role's backward leaves the other roles' parameters without gradients, which DDP must "
+                             "be told of; use trainer.strategy=ddp_find_unused_parameters_true (what distill.train "
+                             "picks for trainer=ddp), or trainer.devices=1")
         optimizers, schedulers, owner = [], [], {}
-        self._role_schedulers = {}
+        self._role_schedulers, self._last_role_loss = {}, {}
         for role in self.roles.values():
             params = self.role_parameters(role.name)
             for p in params:
@@ -568,12 +596,14 @@ class DistillMethod(L.LightningModule):
                                    "name": f"lr-{role.name}"})
         return optimizers, schedulers
 
-    def adopt_gradient_clipping(self, gradient_clip_val: float | None, gradient_clip_algorithm: str | None = None,
-                                accumulate_grad_batches: int = 1) -> dict:
+    def adopt_trainer_settings(self, gradient_clip_val: float | None, gradient_clip_algorithm: str | None = None,
+                               accumulate_grad_batches: int = 1, strategy=None) -> dict:
         """The trainer's settings for this method: with several roles Lightning refuses ``gradient_clip_val``
         under manual optimization, so the method keeps it and clips each role's update itself, and the returned
-        overrides build the Trainer without it; gradient accumulation is refused there. Nothing changes (``{}``)
-        for the student alone."""
+        overrides build the Trainer without it; gradient accumulation is refused there; data parallelism
+        (``strategy="ddp"``) becomes DDP that finds unused parameters (each role's backward reaches only its own
+        network), every backward's gradients averaged over the ranks. Nothing changes (``{}``) for the student
+        alone."""
         if self.automatic_optimization:
             return {}
         if accumulate_grad_batches != 1:
@@ -581,7 +611,10 @@ class DistillMethod(L.LightningModule):
                              f"several roles ({', '.join(self.roles)}) with manual optimization, which accumulates no "
                              "gradients; set trainer.accumulate_grad_batches=1 (and raise data.batch_size instead)")
         self.gradient_clip_val, self.gradient_clip_algorithm = gradient_clip_val, gradient_clip_algorithm
-        return {"gradient_clip_val": None, "gradient_clip_algorithm": None}
+        own = {"gradient_clip_val": None, "gradient_clip_algorithm": None}
+        if strategy == "ddp":
+            own["strategy"] = "ddp_find_unused_parameters_true"
+        return own
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Under manual optimization, clip the gradients of the update about to step: after the non-finite guard

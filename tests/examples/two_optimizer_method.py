@@ -17,9 +17,10 @@ guard). The file registers the method and its student, so that the command line 
         student=tiny_generator teacher=none data.resolution=8 'method.optimizer={_target_:torch.optim.Adam,_partial_:true}' \\
         'method.critic_optimizer={_target_:torch.optim.Adam,_partial_:true}'
 
-As a script it is the process the resume test kills::
+As a script it is the process the resume test kills, and the data-parallel run (2 CPU processes, each rank's
+final state saved as ``RUN_DIR/state_rank<r>.pt``)::
 
-    python -m tests.examples.two_optimizer_method RUN_DIR STEPS CRITIC_UPDATES [resume]
+    python -m tests.examples.two_optimizer_method RUN_DIR STEPS CRITIC_UPDATES [resume | ddp:2:same | ddp:2:split]
 """
 
 from __future__ import annotations
@@ -102,9 +103,11 @@ def method_from_config(critic_updates_per_step: int, **options):
 
 def fit(run_dir: Path, max_steps: int, critic_updates_per_step: int, resume: bool = False, seed: int = 0,
         ema_half_life_images: float = 64, inject_nonfinite_at_steps: tuple[int, ...] = (), callbacks: tuple = (),
-        **options):
+        devices: int = 1, same_batches: bool = True, **options):
     """Train ``max_steps`` steps in ``run_dir`` with the callbacks of ``distill.train`` (a checkpoint every step)
-    and ``callbacks``; ``resume``: from the newest checkpoint there. Returns (method, trainer)."""
+    and ``callbacks``; ``resume``: from the newest checkpoint there. ``devices`` > 1: that many CPU processes under
+    ``strategy="ddp"`` as ``distill.train`` adopts it, each rank drawing the same batches
+    (``same_batches``) or its own share of the data (the distributed sampler). Returns (method, trainer)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -129,17 +132,24 @@ def fit(run_dir: Path, max_steps: int, critic_updates_per_step: int, resume: boo
                  ModelCheckpoint(dirpath=ckpt_dir, filename="step_{step:07d}", every_n_train_steps=1, save_top_k=-1,
                                  save_last=True, monitor="step", mode="max", auto_insert_metric_name=False),
                  RNGState(), RunIdentity(), Preemption(), NonFiniteGuard(3, list(inject_nonfinite_at_steps)), *callbacks]
-    clipping = {"gradient_clip_val": 1.0}  # the default trainer's, which the method adopts (several roles)
-    clipping.update(method.adopt_gradient_clipping(1.0, None, 1))
+    settings = {"gradient_clip_val": 1.0, "strategy": "ddp" if devices > 1 else "auto"}  # the method adopts them
+    settings.update(method.adopt_trainer_settings(1.0, None, 1, settings["strategy"]))
     logger = ResumableCSVLogger(save_dir=str(run_dir), name="csv", version="", flush_logs_every_n_steps=1)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1, limit_val_batches=0,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, max_steps=max_steps, max_epochs=-1, limit_val_batches=0,
                         log_every_n_steps=1, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()],
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(run_dir),
-                        use_distributed_sampler=False, **clipping)
+                        use_distributed_sampler=not same_batches, **settings)
     trainer.fit(method, datamodule=datamodule, ckpt_path=ckpt_path)
     return method, trainer
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    fit(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), resume=len(sys.argv) > 4 and sys.argv[4] == "resume")
+    if len(sys.argv) > 4 and sys.argv[4].startswith("ddp"):  # RUN_DIR STEPS CRITIC_UPDATES ddp:DEVICES:same|split
+        _, devices, batches = sys.argv[4].split(":")
+        method, trainer = fit(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), devices=int(devices),
+                              same_batches=batches == "same")
+        torch.save({**method.state_dict(), "role_updates": dict(method.role_updates)},
+                   Path(sys.argv[1]) / f"state_rank{trainer.global_rank}.pt")
+    else:
+        fit(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), resume=len(sys.argv) > 4 and sys.argv[4] == "resume")
