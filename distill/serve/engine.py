@@ -565,7 +565,9 @@ class Engine:
     def _take(self) -> list[Job]:
         if self.mode == "sequential":
             return self.queue.take(None, 1, 0.0, self.stop)
-        key = Job.size_key if self.mode == "stream" else Job.batch_key
+        # stream: any jobs, in arrival order (the encoder groups by size within a batch): taking the oldest job's
+        # size only would let younger jobs of the common size overtake one of another size at every batch
+        key = None if self.mode == "stream" else Job.batch_key
         batch = self.queue.take(key, self.max_batch_size, self.max_wait, self.stop)
         if self.metrics is not None:
             self.metrics.queue_depth.set(len(self.queue))
