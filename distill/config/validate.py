@@ -55,7 +55,8 @@ def vae_factor(vae_cfg, key: str) -> int | None:
     return 2 ** (len(json.loads(config.read_text())["block_out_channels"]) - 1)
 
 
-VAE_TARGET = "diffusers.AutoencoderKL"  # a config node whose _target_ starts so builds the latent space's VAE
+# a config node whose _target_ starts so builds the latent space's VAE
+VAE_TARGET = ("diffusers.AutoencoderKL", "distill.models.vae.load_vae")
 
 
 def method_vae(method: DictConfig) -> tuple[str, DictConfig] | None:

@@ -113,6 +113,27 @@ class SD3Conditioner(nn.Module):
         self._cache.clear()  # cached tensors live on the old device/dtype
         return super()._apply(fn, recurse)
 
+    @classmethod
+    def from_clip(cls, pretrained_model_name_or_path: str, joint_dim: int,
+                  max_sequence_length: int = SD3_MAX_SEQUENCE_LENGTH) -> SD3Conditioner:
+        """SD3's two CLIP towers (CLIP-L and CLIP-G) both derived from one ``CLIPModel``: its text tower and text
+        projection, copied into a ``CLIPTextModelWithProjection`` (bit-identical outputs), with its tokenizer; no
+        T5. For a model trained in SD3's layout on a world with a single CLIP."""
+        from transformers import CLIPModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+        clip = CLIPModel.from_pretrained(pretrained_model_name_or_path)
+        config = clip.config.text_config
+        config.projection_dim = clip.config.projection_dim
+
+        def tower() -> CLIPTextModelWithProjection:
+            encoder = CLIPTextModelWithProjection(config)
+            encoder.text_model.load_state_dict(clip.text_model.state_dict())
+            encoder.text_projection.load_state_dict(clip.text_projection.state_dict())
+            return encoder
+
+        tokenizer = CLIPTokenizer.from_pretrained(pretrained_model_name_or_path)
+        return cls(tower(), tokenizer, tower(), tokenizer, joint_dim, max_sequence_length=max_sequence_length)
+
 
 class DistillSD3Pipeline(StableDiffusion3Pipeline):
     """A ``StableDiffusion3Pipeline`` whose call defaults are the exported model's: ``default_num_inference_steps``,

@@ -14,7 +14,7 @@ from distill.diffusion.losses import WEIGHTINGS
 from distill.diffusion.noise import edm_timestep_probabilities
 from distill.diffusion.parametrization import PREDICTION_TYPES
 from distill.families import family_for
-from distill.families.sd import StableDiffusionFamily
+from distill.families.class_unet import ClassUNetFamily
 from distill.inference.schedulers import make_scheduler, scheduler_options
 from distill.methods import METHODS
 from distill.methods.base import DistillMethod, pipeline_images
@@ -55,7 +55,7 @@ class DiffusionTraining(DistillMethod):
             raise ValueError(f"method.frozen_dtype={self.frozen_dtype}: plain diffusion training has no frozen network "
                              "run every step (the VAE encodes in float32, or use method.latent_cache=true); set it to null")
         self.save_hyperparameters(ignore=["student", "noise_scheduler", "conditioner", "optimizer", "lr_scheduler", "vae"])
-        if noise_scheduler.config.prediction_type != prediction_type:
+        if noise_scheduler.config.get("prediction_type", prediction_type) != prediction_type:
             raise ValueError(
                 f"noise_scheduler.prediction_type={noise_scheduler.config.prediction_type!r} differs from "
                 f"method.prediction_type={prediction_type!r}; set them equal"
@@ -66,10 +66,11 @@ class DiffusionTraining(DistillMethod):
             student = EDMPreconditionedUNet2DConditionModel.wrap(student, noise_scheduler.config, prediction_type,
                                                                  self.noise.sigma_data)
         self.student = student
-        if isinstance(conditioner, StableDiffusionFamily.conditioner_type) and vae is None:
-            raise ValueError("a text-conditioned model exports as a StableDiffusionPipeline, which needs a VAE; "
-                             "set method.vae (latent diffusion) or use a class conditioner")
         self.family = family_for(noise_scheduler, vae, conditioner)
+        self.text = not isinstance(self.family, ClassUNetFamily)  # prompts, or class labels
+        if self.text and vae is None:
+            raise ValueError(f"a text-conditioned model exports as a {self.family.pipeline_class.__name__}, which "
+                             "needs a VAE; set method.vae (latent diffusion) or use a class conditioner")
         self.vae = self.family.vae  # the family's frozen parts under their old names (checkpoint keys)
         self.noise_scheduler = noise_scheduler
         self.conditioner = conditioner
@@ -136,17 +137,18 @@ class DiffusionTraining(DistillMethod):
     def sampling_scheduler(self, name: str | None = None):
         """The configured sampling scheduler, or another one by ``name`` with the options of its
         ``conf/scheduler/<name>.yaml`` (as every sweep row gets them)."""
+        # the training scheduler's config with its class, as saved (what tells a flow-matching schedule)
+        config = {**self.noise_scheduler.config, "_class_name": type(self.noise_scheduler).__name__}
         if name is not None and name != self.sampling["name"]:
-            return make_scheduler(name, self.noise_scheduler.config, **scheduler_options(name))
+            return make_scheduler(name, config, **scheduler_options(name))
         options = dict(self.sampling.get("options") or {})
-        return make_scheduler(self.sampling["name"], self.noise_scheduler.config, **options)
+        return make_scheduler(self.sampling["name"], config, **options)
 
     @torch.no_grad()
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,
                  guidance_scale: float | None = None, scheduler: str | None = None) -> torch.Tensor:
         """Images from the pipeline the export holds (``pipeline``): captions, or the batch's class labels."""
-        text = isinstance(self.family, StableDiffusionFamily)
-        prompts = batch["caption"] if text else self.family.condition(batch)["class_labels"].tolist()
+        prompts = batch["caption"] if self.text else self.family.condition(batch)["class_labels"].tolist()
         return pipeline_images(self.pipeline(scheduler), prompts, generator, num_inference_steps, guidance_scale)
 
     def pipeline(self, scheduler: str | None = None):
@@ -163,9 +165,10 @@ class DiffusionTraining(DistillMethod):
         out_dir = Path(out_dir)
         pipe = self.pipeline()
         pipe.save_pretrained(out_dir)
-        text = isinstance(self.family, StableDiffusionFamily)
+        text = self.text
         guidance_scale = self.sampling["guidance_scale"]
-        info = {"method": "diffusion", "teacher": None, "student": type(self.student).__name__,
+        network = type(self.student).__name__
+        info = {"method": METHODS.name_of(type(self)), "teacher": None, "student": network,
                 "pipeline": type(pipe).__name__, "conditioning": "text" if text else "class",
                 "prediction_type": self.prediction_type,
                 "sampling": call_info(self.sampling["name"], type(pipe.scheduler).__name__,
@@ -173,10 +176,15 @@ class DiffusionTraining(DistillMethod):
                                       cfg_pass=guidance_scale > 1 if text else guidance_scale != 1),
                 "guidance": (f"classifier-free guidance at sampling time (trained with condition dropout "
                              f"{self.cond_dropout}): guidance_scale={guidance_scale} runs a conditional and an "
-                             "unconditional pass per step, batched in one UNet call; 1 runs the conditional one only.")}
+                             f"unconditional pass per step, batched in one {network} call; 1 runs the conditional "
+                             "one only."), **self.export_details()}
         if not text:
             info.update(num_classes=self.conditioner.num_classes, null_class=self.conditioner.num_classes)
         return write_export_info(out_dir, info)
+
+    def export_details(self) -> dict:
+        """The objective's own entries of distill.json (a subclass's; none for plain diffusion)."""
+        return {}
 
     @classmethod
     def check_config(cls, cfg) -> None:

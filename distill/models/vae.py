@@ -40,3 +40,21 @@ def measure_scaling_factor(vae: AutoencoderKL, images: Iterable[torch.Tensor], s
     factor = latent_scaling_factor(encode_latents(vae, images, generator))
     vae.register_to_config(scaling_factor=factor)
     return factor
+
+
+def latent_shift_and_scaling(latents: torch.Tensor) -> tuple[float, float]:
+    """SD3's latent normalisation (Esser et al. 2024; diffusers' ``(z - shift_factor) * scaling_factor``):
+    ``shift_factor`` the mean of all latent elements, ``scaling_factor`` 1 / std of the shifted latents."""
+    z = latents.detach().double()
+    shift = z.mean().item()
+    return shift, 1.0 / (z - shift).std().item()
+
+
+def load_vae(pretrained_model_name_or_path: str, shift_factor: float | None = None,
+             scaling_factor: float | None = None, **kwargs) -> AutoencoderKL:
+    """``AutoencoderKL.from_pretrained``, with ``shift_factor`` / ``scaling_factor`` set in its config where given (a
+    flow-matching pipeline in SD3's layout decodes ``latents / scaling_factor + shift_factor``)."""
+    vae = AutoencoderKL.from_pretrained(pretrained_model_name_or_path, **kwargs)
+    vae.register_to_config(**{k: v for k, v in (("shift_factor", shift_factor), ("scaling_factor", scaling_factor))
+                              if v is not None})
+    return vae

@@ -1,9 +1,10 @@
 """Students trained from scratch: diffusers UNets by size name (a name -> config table, as DiT does), class-
-conditional (``student=class_unet``) or text-conditional (``student=text_unet``)."""
+conditional (``student=class_unet``) or text-conditional (``student=text_unet``), and SD3's MMDiT
+(``student=sd3_transformer``, a flow-matching teacher in SD3's layout)."""
 
 from __future__ import annotations
 
-from diffusers import UNet2DConditionModel, UNet2DModel
+from diffusers import SD3Transformer2DModel, UNet2DConditionModel, UNet2DModel
 
 from distill.students import STUDENTS
 
@@ -86,3 +87,35 @@ def build_text_unet(
     up = ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * (levels - 1)
     return _unet(UNet2DConditionModel, spec, sample_size, in_channels, out_channels, down, up, gradient_checkpointing,
                  cross_attention_dim=cross_attention_dim)
+
+
+# MMDiT depth and width (heads x head_dim), as DiT's size table; "debug" is the CI model.
+SD3_SIZES: dict[str, dict] = {
+    "debug": {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 8},
+    "tiny": {"num_layers": 4, "num_attention_heads": 3, "attention_head_dim": 32},
+    "small": {"num_layers": 8, "num_attention_heads": 6, "attention_head_dim": 32},
+}
+
+
+@STUDENTS.register("sd3_transformer", choices={"size": SD3_SIZES})
+def build_sd3_transformer(
+    sample_size: int, in_channels: int = 4, out_channels: int | None = None, size: str = "tiny", patch_size: int = 1,
+    *, joint_attention_dim: int, pooled_projection_dim: int, qk_norm: str | None = "rms_norm",
+    gradient_checkpointing: bool = False,
+) -> SD3Transformer2DModel:
+    """An ``SD3Transformer2DModel`` (MMDiT, Esser et al. 2024) on ``sample_size``-square latents in patches of
+    ``patch_size``; ``joint_attention_dim`` the text states' width (SD3: both CLIPs' widths, padded to T5's),
+    ``pooled_projection_dim`` the pooled text vector's (both CLIPs' projections); ``qk_norm`` as SD3.5's."""
+    if size not in SD3_SIZES:
+        raise ValueError(f"student.size={size!r} is unknown; use one of {sorted(SD3_SIZES)}")
+    if sample_size % patch_size:
+        raise ValueError(f"student.sample_size={sample_size} is not divisible by student.patch_size={patch_size}")
+    spec = SD3_SIZES[size]
+    model = SD3Transformer2DModel(
+        sample_size=sample_size, patch_size=patch_size, in_channels=in_channels, out_channels=out_channels or in_channels,
+        joint_attention_dim=joint_attention_dim, pooled_projection_dim=pooled_projection_dim,
+        caption_projection_dim=spec["num_attention_heads"] * spec["attention_head_dim"],
+        pos_embed_max_size=sample_size // patch_size, qk_norm=qk_norm, **spec)
+    if gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    return model

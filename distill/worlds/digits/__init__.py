@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ASSET_ROOT = Path(__file__).parent / "weights"
-ASSET_NAMES = ("classifier", "vae", "clip", "teacher", "noisy_classifier")
+ASSET_NAMES = ("classifier", "vae", "clip", "teacher", "noisy_classifier", "flow_teacher")
 
 # The modules that register this world's parts, by kind of registry (``distill.utils.registry``)
 PARTS: dict[str, tuple[str, ...]] = {

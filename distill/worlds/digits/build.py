@@ -1,11 +1,11 @@
 """Rebuild the shipped digits assets: train each with its experiment, copy its export into the package.
 
-    python -m distill.worlds.digits.build [classifier vae clip teacher] [--seed 0]
+    python -m distill.worlds.digits.build [classifier vae clip teacher noisy_classifier flow_teacher] [--seed 0]
 
 Order matters: the VAE is judged by the classifier, the teacher needs the VAE and CLIP, the noise-aware
-classifier (the guide of classifier guidance) the VAE and the teacher's noise schedule. The previous
-asset stays in place until the new one has been trained and copied completely. Next to the weights,
-PROVENANCE.json records the command, seed, git revision, wall time and the final validation metrics.
+classifier (the guide of classifier guidance) the VAE and the teacher's noise schedule, the flow-matching teacher
+the VAE and CLIP. The previous asset stays in place until the new one has been trained and copied completely. Next
+to the weights, PROVENANCE.json records the command, seed, git revision, wall time and the final validation metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from distill.worlds.digits import ASSET_NAMES, ASSET_ROOT
 
 EXPERIMENTS = {"classifier": "asset_classifier", "vae": "asset_vae", "clip": "asset_clip", "teacher": "teacher",
-               "noisy_classifier": "asset_noisy_classifier"}
+               "noisy_classifier": "asset_noisy_classifier", "flow_teacher": "flow_teacher"}
 
 
 def git_revision() -> str:
