@@ -199,3 +199,22 @@ def test_classifier_guidance_without_a_pipeline_says_what_it_needs(sd3, tmp_path
     NoisyLatentClassifier(channels=(16, 32), time_dim=32, groups=4).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="noise schedule \\(its model family\\).*use_pipeline\\(pipe\\)"):
         ClassifierGuidance(classifier=str(tmp_path)).attach(sd3.transformer, SamplingContext())
+
+
+@pytest.mark.parametrize("family", ["sdxl", "sd3"])
+def test_a_long_prompt_is_truncated_and_never_logged(family, request, caplog, capfd):
+    """Issue 31 on every family: a prompt far past the text encoders' length is tokenised with truncation (its
+    condition has the shapes of a short prompt's) and nothing of it reaches the log or stderr (diffusers'
+    encode_prompt tokenises it again in full and writes the cut part to stderr through its own handler)."""
+    pipe = request.getfixturevalue(family)
+    engine = Engine(pipe, steps=STEPS, guidance_scale=GUIDANCE, mode="sequential")
+    try:
+        capfd.readouterr()
+        with caplog.at_level("DEBUG"):
+            long = engine.embed(["seven " * 1000])
+        short = engine.embed([PROMPTS[1]])
+    finally:
+        engine.close()
+    assert {k: v.shape for k, v in long.items()} == {k: v.shape for k, v in short.items()}
+    written = caplog.text + "".join(capfd.readouterr())
+    assert "seven seven" not in written, written[:500]
