@@ -44,7 +44,7 @@ from distill.models.teacher import (
 from distill.utils.registry import Registry
 
 FAMILIES = Registry("family", ("distill.families.sd", "distill.families.sdxl", "distill.families.class_unet",
-                                "distill.families.sd3"))
+                                "distill.families.sd3", "distill.families.flux"))
 TEACHER_KEY = "teacher.pretrained_model_name_or_path"
 
 
@@ -86,6 +86,23 @@ class ModelFamily:
         raise ValueError(f"a {cls.__name__} pipeline ({pretrained_model_name_or_path!r}) cannot be loaded as a "
                          "teacher: the distillation methods distil text-conditioned teachers; give a Stable-Diffusion-"
                          "format pipeline")
+
+    @classmethod
+    def check_components(cls, name_or_path: str | Path, configs: dict[str, dict], key: str = TEACHER_KEY) -> None:
+        """Refuse, from ``pipeline_configs``' JSON alone (before any weights), a pipeline of this family that lacks a
+        component it cannot run without, naming it and what to do; every component is optional here."""
+
+    @classmethod
+    def teacher_of(cls, pipe, source: str, load_options: dict, **conditioner_options) -> Teacher:
+        """A pipeline of this family just loaded from ``source`` as a frozen ``Teacher``: its denoiser and VAE frozen
+        (the conditioner freezes the encoders), its family bound to its parts (``conditioner_of(pipe,
+        **conditioner_options)``)."""
+        denoiser = cls.denoiser_of(pipe)
+        for module in (denoiser, pipe.vae):
+            module.requires_grad_(False).eval()
+        family = cls(pipe.scheduler, pipe.vae, cls.conditioner_of(pipe, **conditioner_options))
+        return Teacher(denoiser, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler, str(source), load_options,
+                       family=family)
 
     @classmethod
     def from_pipeline(cls, pipe, cache_prompts: bool = True) -> ModelFamily:
@@ -246,6 +263,21 @@ class ModelFamily:
         return (size if isinstance(size, int) else size[0]) * pipe.vae_scale_factor
 
 
+class TransformerCallDefaults:
+    """Mixed in before a stock pipeline class whose call takes T5's ``max_sequence_length`` (SD3's, Flux's): its call
+    falls back to the registered ``default_num_inference_steps``, ``default_guidance_scale`` and
+    ``default_max_sequence_length`` of the export's config (what ``model_index.json`` carries), not to the stock
+    class's own defaults."""
+
+    @torch.no_grad()
+    def __call__(self, prompt=None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
+                 max_sequence_length: int | None = None, **kwargs):
+        return super().__call__(
+            prompt, num_inference_steps=num_inference_steps or self.config.default_num_inference_steps,
+            guidance_scale=self.config.default_guidance_scale if guidance_scale is None else guidance_scale,
+            max_sequence_length=max_sequence_length or self.config.default_max_sequence_length, **kwargs)
+
+
 # ---------------------------------------------------------------------- lookups
 
 
@@ -285,6 +317,14 @@ def check_method_serves(name_or_path: str | Path, configs: dict[str, dict], meth
                      f"{', flow matching' if flow else ''}), which method={method!r} cannot train; {can}. What runs on "
                      f"it: python -m distill.evaluate pipeline={name_or_path}"
                      f"{' schedulers=[flow_euler]' if flow else ''} and python -m distill.sample pipeline={name_or_path}")
+
+
+def check_components(name_or_path: str | Path, key: str = TEACHER_KEY) -> None:
+    """A pipeline's family's ``check_components`` on its configs (nothing where no single family detects it)."""
+    configs = pipeline_configs(name_or_path)
+    found = [family for _, family in FAMILIES.items() if family.detect(configs)]
+    if len(found) == 1:
+        found[0].check_components(name_or_path, configs, key)
 
 
 def load_teacher(pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,

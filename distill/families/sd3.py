@@ -22,7 +22,7 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from torch import nn
 
-from distill.families.base import FAMILIES, ModelFamily
+from distill.families.base import FAMILIES, ModelFamily, TransformerCallDefaults
 from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
 
 SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length: T5 tokens (zeros without T5)
@@ -135,7 +135,7 @@ class SD3Conditioner(nn.Module):
         return cls(tower(), tokenizer, tower(), tokenizer, joint_dim, max_sequence_length=max_sequence_length)
 
 
-class DistillSD3Pipeline(StableDiffusion3Pipeline):
+class DistillSD3Pipeline(TransformerCallDefaults, StableDiffusion3Pipeline):
     """A ``StableDiffusion3Pipeline`` whose call defaults are the exported model's: ``default_num_inference_steps``,
     ``default_guidance_scale``, ``default_max_sequence_length`` (the T5 tokens, zeros without T5) and
     ``guidance_distilled`` (no CFG pass is run; ``guidance_scale`` has no effect), registered in its config so that
@@ -159,16 +159,6 @@ class DistillSD3Pipeline(StableDiffusion3Pipeline):
     @property
     def do_classifier_free_guidance(self) -> bool:
         return super().do_classifier_free_guidance and not self.config.guidance_distilled
-
-    @torch.no_grad()
-    def __call__(self, prompt=None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
-                 max_sequence_length: int | None = None, **kwargs):
-        """``StableDiffusion3Pipeline.__call__`` with the registered defaults for the step count, the guidance and
-        the T5 token count."""
-        return super().__call__(
-            prompt, num_inference_steps=num_inference_steps or self.config.default_num_inference_steps,
-            guidance_scale=self.config.default_guidance_scale if guidance_scale is None else guidance_scale,
-            max_sequence_length=max_sequence_length or self.config.default_max_sequence_length, **kwargs)
 
 
 setattr(diffusers, DistillSD3Pipeline.__name__, DistillSD3Pipeline)  # where from_pretrained resolves _class_name
@@ -209,12 +199,9 @@ class StableDiffusion3Family(ModelFamily):
                                         "folders from the pipeline it was saved from")
         pipe = StableDiffusion3Pipeline.from_pretrained(pretrained_model_name_or_path, revision=revision,
                                                         variant=variant, torch_dtype=dtype, **absent)
-        for module in (pipe.transformer, pipe.vae):
-            module.requires_grad_(False).eval()
-        family = cls(pipe.scheduler, pipe.vae, cls.conditioner_of(pipe, max_sequence_length=max_sequence_length))
-        return Teacher(pipe.transformer, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler,
-                       str(pretrained_model_name_or_path), {"revision": revision, "variant": variant, "torch_dtype": dtype},
-                       family=family)
+        return cls.teacher_of(pipe, pretrained_model_name_or_path,
+                              {"revision": revision, "variant": variant, "torch_dtype": dtype},
+                              max_sequence_length=max_sequence_length)
 
     @classmethod
     def conditioner_of(cls, pipe, cache_prompts: bool = True, max_sequence_length: int | None = None

@@ -17,6 +17,10 @@ def load_pipeline(name_or_path: str):
     path = Path(name_or_path)
     if path.exists() and not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"pipeline={name_or_path!r} has no model_index.json; give a diffusers pipeline folder")
+    if path.exists():
+        from distill.families.base import check_components
+
+        check_components(path, key="pipeline")  # a component its family cannot run without, before any weights
     return DiffusionPipeline.from_pretrained(name_or_path, **absent_components(name_or_path))
 
 

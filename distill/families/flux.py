@@ -1,0 +1,238 @@
+"""FLUX.1 (Black Forest Labs, 2024): a ``FluxTransformer2DModel`` (double- then single-stream MMDiT blocks, 3-axis
+rotary positions) predicting the flow velocity on ``FlowMatchEulerDiscreteScheduler``'s resolution-shifted schedule
+(``use_dynamic_shifting``: mu from the image's packed token count, diffusers' ``calculate_shift``), conditioned on
+T5's token states (``encoder_hidden_states``) and CLIP-L's pooled output (``pooled_projections``); FLUX.1-dev also
+takes its distilled guidance scale as an input (``guidance_embeds``; FLUX.1-schnell has none). ``AutoencoderKL``
+latents with a ``shift_factor``.
+
+The family's latents are the VAE's (N, C, H, W), as for every other family: ``denoise`` packs them in 2x2 patches
+(``distill.diffusion.packing``) with their ``img_ids`` for the call and unpacks the velocity, so that the flow
+math, the samplers and ``decode`` see one layout. Packing is a permutation and the flow math is elementwise, so a
+loop on unpacked latents equals ``FluxPipeline``'s on packed ones bit for bit.
+
+T5 is not optional: Flux has no T5-free mode (its context is T5's tokens alone), so a folder without
+``text_encoder_2``/``tokenizer_2`` is refused before any weights load. ``distill.evaluate`` and ``distill.sample``
+run on it; no training method serves it yet (consistency distillation's solver grid is built from a static shift).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import diffusers
+import torch
+from diffusers import FluxPipeline
+from torch import nn
+
+from distill.diffusion.flow import flux_sigmas, image_seq_len
+from distill.diffusion.packing import latent_image_ids, pack_latents, unpack_latents
+from distill.families.base import FAMILIES, ModelFamily, TransformerCallDefaults
+from distill.models.conditioning import TextConditioner
+from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
+
+# FluxPipeline.__call__'s defaults: 28 steps, embedded guidance 3.5, 512 T5 tokens; its default_sample_size, 128
+# latent pixels (1024 px through FLUX.1's VAE)
+FLUX_NUM_INFERENCE_STEPS, FLUX_GUIDANCE_SCALE, FLUX_MAX_SEQUENCE_LENGTH = 28, 3.5, 512
+FLUX_SAMPLE_SIZE = 128
+FLUX_TIMESTEP_SCALE = 1000  # FluxPipeline passes timestep / 1000; the transformer multiplies by 1000 again
+COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+T5_PARTS = ("text_encoder_2", "tokenizer_2")
+
+
+class FluxConditioner(TextConditioner):
+    """Captions -> ``{"encoder_hidden_states": (N, max_sequence_length, D_T5), "pooled_projections": (N, D_CLIP)}``
+    as ``FluxPipeline.encode_prompt`` makes them: T5's last hidden states over ``max_sequence_length`` padded tokens
+    and the CLIP text model's pooled output (over ``tokenizer.model_max_length`` tokens). The null condition is the
+    empty prompt "" (true CFG's negative prompt). Embeddings are cached per distinct prompt (``TextConditioner``)."""
+
+    def __init__(self, text_encoder: nn.Module, tokenizer, text_encoder_2: nn.Module, tokenizer_2,
+                 max_sequence_length: int = FLUX_MAX_SEQUENCE_LENGTH, cache: bool = True):
+        if max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length={max_sequence_length} must be >= 1 (FluxPipeline's default: "
+                             f"{FLUX_MAX_SEQUENCE_LENGTH} T5 tokens)")
+        super().__init__(text_encoder, tokenizer, cache=cache)
+        self.text_encoder_2 = text_encoder_2.requires_grad_(False).eval()
+        self.tokenizer_2, self.max_sequence_length = tokenizer_2, max_sequence_length
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.text_encoder_2.eval()
+        return self
+
+    def run_encoder(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M, max_sequence_length, D_T5) T5 states, (M, D_CLIP) CLIP's pooled output."""
+        ids = self.tokenizer(prompts, padding="max_length", max_length=self.max_length, truncation=True,
+                             return_tensors="pt").input_ids
+        pooled = self.text_encoder(ids.to(next(self.text_encoder.parameters()).device)).pooler_output
+        ids_2 = self.tokenizer_2(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                                 return_tensors="pt").input_ids
+        states = self.text_encoder_2(ids_2.to(next(self.text_encoder_2.parameters()).device))[0]
+        return states.to(self.text_encoder_2.dtype), pooled.to(self.text_encoder.dtype)
+
+    def forward(self, batch: dict, drop: torch.Tensor | None = None) -> dict:
+        prompts = list(batch["caption"])
+        if drop is not None:
+            prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
+        states, pooled = self.encode_all(prompts)
+        return {"encoder_hidden_states": states, "pooled_projections": pooled}
+
+    def null(self, batch_size: int, device: torch.device | str = "cpu") -> dict:
+        return {k: v.to(device) for k, v in self({"caption": [""] * batch_size}).items()}
+
+
+class DistillFluxPipeline(TransformerCallDefaults, FluxPipeline):
+    """A ``FluxPipeline`` whose call defaults are the exported model's: ``default_num_inference_steps``,
+    ``default_guidance_scale`` (the embedded guidance of a ``guidance_embeds`` transformer), ``default_max_sequence_length``
+    (T5 tokens) and ``default_sample_size`` (latent pixels; ``FluxPipeline`` fixes 128), registered in its config so
+    that ``model_index.json`` carries them (``TransformerCallDefaults``)."""
+
+    def __init__(self, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer,
+                 image_encoder=None, feature_extractor=None,
+                 default_num_inference_steps: int = FLUX_NUM_INFERENCE_STEPS,
+                 default_guidance_scale: float = FLUX_GUIDANCE_SCALE,
+                 default_max_sequence_length: int = FLUX_MAX_SEQUENCE_LENGTH,
+                 default_sample_size: int = FLUX_SAMPLE_SIZE):
+        super().__init__(scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer,
+                         image_encoder, feature_extractor)
+        self.register_to_config(default_num_inference_steps=default_num_inference_steps,
+                                default_guidance_scale=default_guidance_scale,
+                                default_max_sequence_length=default_max_sequence_length,
+                                default_sample_size=default_sample_size)
+        self.default_sample_size = default_sample_size
+
+
+setattr(diffusers, DistillFluxPipeline.__name__, DistillFluxPipeline)  # where from_pretrained resolves _class_name
+
+
+@FAMILIES.register("flux")
+class FluxFamily(ModelFamily):
+    """FLUX.1-dev / -schnell; conditioning ``{"encoder_hidden_states", "pooled_projections"}`` (``FluxConditioner``),
+    the null condition the empty prompt's; the flow-matching schedule of its scheduler (``FlowMatchingSchedule`` with
+    Flux's resolution shift); exported as a ``DistillFluxPipeline``."""
+
+    conditioner_type = FluxConditioner
+    pipeline_class = DistillFluxPipeline
+    denoiser_component = "transformer"
+    call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
+    methods = ()  # consistency's solver grid needs a static shift (methods/consistency.py); the others step VP time
+
+    @classmethod
+    def detect(cls, configs: dict[str, dict]) -> bool:
+        """A ``FluxTransformer2DModel`` on a flow-matching scheduler."""
+        return (configs.get("transformer", {}).get("_class_name") == "FluxTransformer2DModel"
+                and is_flow_matching(configs["scheduler"]))
+
+    @classmethod
+    def check_components(cls, pretrained_model_name_or_path: str | Path, configs: dict[str, dict],
+                         key: str = "teacher.pretrained_model_name_or_path") -> None:
+        """Refuse, from its configs, a Flux pipeline without one of its components (T5 above all: Flux has no
+        T5-free mode), naming it and what to do; a local folder must also hold each one's folder."""
+        local = Path(pretrained_model_name_or_path).exists()
+        index = configs["pipeline"]
+        missing = [name for name in COMPONENTS if (index.get(name) or [None])[0] is None
+                   or (local and not (Path(pretrained_model_name_or_path) / name).is_dir())]
+        if missing:
+            t5 = [name for name in missing if name in T5_PARTS]
+            why = (f" ({' and '.join(t5)}: T5, whose token states are Flux's whole text context; Flux has no "
+                   "T5-free mode)" if t5 else "")
+            raise FileNotFoundError(
+                f"{key}={str(pretrained_model_name_or_path)!r} is a Flux pipeline without "
+                f"{', '.join(m + '/' for m in missing)}{why}; copy those folders from the pipeline it was saved from "
+                "(black-forest-labs/FLUX.1-dev has them all), or load it, add them and save it again")
+
+    @classmethod
+    def load(cls, pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,
+             torch_dtype: str | None = None, max_sequence_length: int = FLUX_MAX_SEQUENCE_LENGTH) -> Teacher:
+        """``FluxPipeline.from_pretrained`` after ``check_components``, every network frozen."""
+        cls.check_components(pretrained_model_name_or_path, pipeline_configs(pretrained_model_name_or_path, revision))
+        dtype = getattr(torch, torch_dtype) if torch_dtype else None
+        pipe = FluxPipeline.from_pretrained(pretrained_model_name_or_path, revision=revision, variant=variant,
+                                            torch_dtype=dtype)
+        return cls.teacher_of(pipe, pretrained_model_name_or_path,
+                              {"revision": revision, "variant": variant, "torch_dtype": dtype},
+                              max_sequence_length=max_sequence_length)
+
+    @classmethod
+    def conditioner_of(cls, pipe, cache_prompts: bool = True, max_sequence_length: int | None = None
+                       ) -> FluxConditioner:
+        """``max_sequence_length``: the T5 tokens; default the pipeline call's own (a ``DistillFluxPipeline``'s
+        registered default, else ``FluxPipeline``'s 512)."""
+        if max_sequence_length is None:
+            max_sequence_length = pipe.config.get("default_max_sequence_length", FLUX_MAX_SEQUENCE_LENGTH)
+        return FluxConditioner(pipe.text_encoder, pipe.tokenizer, pipe.text_encoder_2, pipe.tokenizer_2,
+                               max_sequence_length, cache=cache_prompts)
+
+    def copy(self, cache_prompts: bool = True) -> FluxFamily:
+        """A new instance on the same frozen parts with its own prompt cache."""
+        c = self.conditioner
+        conditioner = FluxConditioner(c.text_encoder, c.tokenizer, c.text_encoder_2, c.tokenizer_2,
+                                      c.max_sequence_length, cache=cache_prompts)
+        return type(self)(self.scheduler, self.vae, conditioner)
+
+    # ------------------------------------------------------------------ schedule and denoiser
+
+    def inference_sigmas(self, num_inference_steps: int, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sigmas (n + 1,), timesteps (n,)) of ``FluxPipeline.__call__`` for a ``height`` x ``width`` latent:
+        linspace(1, 1 / n, n) shifted by mu of its packed token count (the scheduler's ``set_timesteps``)."""
+        return self.schedule.inference_sigmas(sigmas=flux_sigmas(num_inference_steps),
+                                              image_seq_len=image_seq_len(height, width, 2))
+
+    def denoise(self, network: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
+        """The transformer's velocity at (x (N, C, H, W), t) for flow time t in [0, 1] (a float or (N,)), its timestep
+        ``schedule.timestep(t)`` = 1000 t (``scheduler.timesteps``) as ``denoise_at`` passes it."""
+        t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+        return self.denoise_at(network, x, self.schedule.timestep(t), cond, **extra)
+
+    def denoise_at(self, network: nn.Module, x: torch.Tensor, timestep: torch.Tensor, cond: dict,
+                   guidance: float | torch.Tensor = FLUX_GUIDANCE_SCALE, **extra) -> torch.Tensor:
+        """The velocity (N, C, H, W) at the scheduler's timestep (1000 t) as ``FluxPipeline`` calls the transformer:
+        x packed in 2x2 patches with their ``img_ids``, zero ``txt_ids``, ``timestep / 1000``, and ``guidance`` (a
+        float or (N,)) where the transformer embeds it (FLUX.1-dev; FLUX.1-schnell ignores it, as the pipeline)."""
+        n, _, height, width = x.shape
+        timestep = torch.as_tensor(timestep, device=x.device)
+        timestep = (timestep.expand(n) if timestep.ndim == 0 else timestep).to(x.dtype)
+        if network.config.guidance_embeds:
+            guidance = torch.as_tensor(guidance, dtype=torch.float32, device=x.device)
+            guidance = guidance.expand(n) if guidance.ndim == 0 else guidance
+        else:
+            guidance = None
+        states = cond["encoder_hidden_states"]
+        out = network(hidden_states=pack_latents(x), timestep=timestep / FLUX_TIMESTEP_SCALE, guidance=guidance,
+                      pooled_projections=cond["pooled_projections"], encoder_hidden_states=states,
+                      txt_ids=torch.zeros(states.shape[1], 3, device=x.device, dtype=states.dtype),
+                      img_ids=latent_image_ids(height, width, x.device, x.dtype), **extra).sample
+        return unpack_latents(out, height, width)
+
+    def example_inputs(self, network: nn.Module, n: int = 1) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Zero inputs at FluxPipeline's native 128 latent pixels, one T5 token."""
+        c = network.config
+        return (torch.zeros(n, c.in_channels // 4, FLUX_SAMPLE_SIZE, FLUX_SAMPLE_SIZE), torch.zeros(n),
+                {"encoder_hidden_states": torch.zeros(n, 1, c.joint_attention_dim),
+                 "pooled_projections": torch.zeros(n, c.pooled_projection_dim)})
+
+    @classmethod
+    def feature_blocks(cls, network: nn.Module, mid_block: bool = False) -> dict[str, nn.Module]:
+        """Every double-stream block, then every single-stream block (``mid_block`` has no meaning here)."""
+        return {**{f"transformer_blocks.{i}": b for i, b in enumerate(network.transformer_blocks)},
+                **{f"single_transformer_blocks.{i}": b for i, b in enumerate(network.single_transformer_blocks)}}
+
+    # ------------------------------------------------------------------ export and pipelines
+
+    def pipeline(self, network: nn.Module, scheduler, **call_defaults) -> DistillFluxPipeline:
+        c = self.conditioner
+        call_defaults.setdefault("default_max_sequence_length", c.max_sequence_length)
+        pipe = DistillFluxPipeline(scheduler=scheduler, vae=self.vae, text_encoder=c.text_encoder,
+                                   tokenizer=c.tokenizer, text_encoder_2=c.text_encoder_2, tokenizer_2=c.tokenizer_2,
+                                   transformer=network, **call_defaults)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @classmethod
+    def matches(cls, pipe) -> bool:
+        """Any FluxPipeline (a distill export or diffusers' own)."""
+        return isinstance(pipe, FluxPipeline)
+
+    @classmethod
+    def native_size(cls, pipe) -> int:
+        """``FluxPipeline``'s default image side: ``default_sample_size`` latent pixels times the VAE's factor."""
+        return pipe.default_sample_size * pipe.vae_scale_factor
