@@ -21,6 +21,24 @@ else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def hub_from_folder(monkeypatch, folder: Path) -> list[str]:
+    """``huggingface_hub.hf_hub_download`` answers any repo id from the pipeline ``folder`` (EntryNotFoundError for a
+    file it lacks, as the hub answers); returns the list of the files asked for, in order."""
+    import huggingface_hub
+    from huggingface_hub.utils import EntryNotFoundError
+
+    fetched = []
+
+    def download(repo_id, filename, revision=None, **_):
+        fetched.append(filename)
+        if not (folder / filename).is_file():
+            raise EntryNotFoundError(f"{repo_id} has no {filename}")
+        return str(folder / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    return fetched
+
+
 def run_train(*overrides: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
     """Run ``python -m distill.train`` as users do; returns the CompletedProcess."""
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}

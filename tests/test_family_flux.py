@@ -36,7 +36,7 @@ from distill.families.flux import (
 from distill.inference.loading import load_pipeline
 from distill.metrics.cost import NFECounter
 from distill.models.teacher import pipeline_configs
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, hub_from_folder, run_train
 from tests.flux_tiny import (
     CLIP_DIM,
     FLUX_SCALING_FACTOR,
@@ -344,3 +344,21 @@ def test_sample_writes_a_grid_from_the_flux_folder(flux_dir, tmp_path):
         capture_output=True, text=True, env=_env(tmp_path), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 images, 2 steps, guidance 3.5" in proc.stdout and out.stat().st_size > 100
+
+
+def test_teacher_flux_names_flux1_dev_and_is_refused_from_its_configs_before_its_weights(flux_dir, compose,
+                                                                                          monkeypatch):
+    """teacher=flux composes black-forest-labs/FLUX.1-dev; train checks a hub teacher from its downloaded JSON files
+    (here the stand-in's) and refuses the method before any weights are fetched."""
+    from distill.train import _check_method_serves_teacher
+
+    fetched = hub_from_folder(monkeypatch, flux_dir)  # Flux has no unet/
+    monkeypatch.setattr(FluxPipeline, "from_pretrained",
+                        classmethod(lambda *a, **k: pytest.fail("weights loaded before the family check")))
+    cfg = compose("+exp=consistency", "teacher=flux")
+    assert cfg.teacher.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
+    with pytest.raises(ValueError, match=r"'black-forest-labs/FLUX.1-dev' is a 'flux' teacher .*method='consistency' "
+                                         r"cannot train; no training method serves it yet"):
+        _check_method_serves_teacher(cfg)
+    assert fetched == ["model_index.json", "scheduler/scheduler_config.json", "unet/config.json",
+                       "transformer/config.json"]

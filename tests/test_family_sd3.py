@@ -28,7 +28,7 @@ from distill.families.sd3 import (
 )
 from distill.inference.schedulers import FLOW_SCHEDULERS, make_scheduler
 from distill.models.teacher import pipeline_configs
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, hub_from_folder, run_train
 from tests.sd3_tiny import JOINT_DIM, SD3_SHIFT, write_tiny_sd3
 
 PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
@@ -271,20 +271,9 @@ def test_training_on_an_sd3_teacher_is_refused_before_any_compute(sd3_dir, tmp_p
 def test_a_hub_sd3_teacher_is_refused_from_its_configs_before_its_weights(sd3_dir, compose, monkeypatch):
     """A hub id is not checked at validation (no network there); train checks it from the downloaded JSON files
     before load_teacher fetches any weights."""
-    import huggingface_hub
-    from huggingface_hub.utils import EntryNotFoundError
-
     from distill.train import _check_method_serves_teacher
 
-    fetched = []
-
-    def download(repo_id, filename, revision=None, **_):
-        fetched.append(filename)
-        if not (sd3_dir / filename).is_file():
-            raise EntryNotFoundError(f"{repo_id} has no {filename}")  # as the hub answers (SD3 has no unet/)
-        return str(sd3_dir / filename)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    fetched = hub_from_folder(monkeypatch, sd3_dir)  # SD3 has no unet/
     monkeypatch.setattr(StableDiffusion3Pipeline, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("weights loaded before the family check")))
     cfg = compose("+exp=progressive", "teacher.pretrained_model_name_or_path=someone/sd3-medium")
