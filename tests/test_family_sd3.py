@@ -284,10 +284,12 @@ def test_a_hub_sd3_teacher_is_refused_from_its_configs_before_its_weights(sd3_di
 
 
 def test_the_documented_import_registers_every_familys_export_class():
-    """`import distill.inference.pipelines` (README: what loading any distill export needs) registers the SD3
-    family's DistillSD3Pipeline with diffusers too, in a fresh process that imports nothing else of distill."""
+    """`import distill.inference.pipelines` (README: what loading any distill export needs) registers the SD3 and
+    Flux families' DistillSD3Pipeline and DistillFluxPipeline with diffusers too, in a fresh process that imports
+    nothing else of distill."""
     code = ("import sys, diffusers, distill.inference.pipelines; "
-            "print(diffusers.DistillSD3Pipeline.__module__, 'distill.families.sd3' in sys.modules)")
+            "print(diffusers.DistillSD3Pipeline.__module__, diffusers.DistillFluxPipeline.__module__, "
+            "'distill.families.sd3' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["distill.families.sd3", "True"]
+    assert proc.stdout.split() == ["distill.families.sd3", "distill.families.flux", "True"]
