@@ -273,7 +273,7 @@ def test_a_flux_folder_without_t5_is_refused_before_any_weights(flux_dir, tmp_pa
                         classmethod(lambda *a, **k: pytest.fail("weights loaded before the component check")))
     monkeypatch.setattr(DiffusionPipeline, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("weights loaded before the component check")))
-    what = r"is a Flux pipeline without text_encoder_2/, tokenizer_2/ \(text_encoder_2 and tokenizer_2: T5.*copy those"
+    what = r"is a 'flux' pipeline without text_encoder_2/, tokenizer_2/ \(T5, whose token states .*\); copy those"
     with pytest.raises(FileNotFoundError, match="teacher.pretrained_model_name_or_path=.*" + what):
         load_teacher(str(folder))
     with pytest.raises(FileNotFoundError, match="pipeline=.*" + what):
@@ -291,7 +291,7 @@ def test_evaluate_refuses_a_flux_folder_without_t5_with_exit_2(flux_dir, tmp_pat
                            "steps=[1]", f"hydra.run.dir={out}"], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}, cwd=ROOT, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "pipeline=" in proc.stderr and "is a Flux pipeline without text_encoder_2/, tokenizer_2/" in proc.stderr
+    assert "pipeline=" in proc.stderr and "is a 'flux' pipeline without text_encoder_2/, tokenizer_2/ (T5" in proc.stderr
     assert "Loading pipeline components" not in proc.stderr and not (out / "quality_cost.csv").exists()
 
 

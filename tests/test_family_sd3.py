@@ -293,3 +293,23 @@ def test_the_documented_import_registers_every_familys_export_class():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["distill.families.sd3", "distill.families.flux", "True"]
+
+
+def test_an_sd3_folder_without_a_clip_tower_is_refused_before_any_weights(sd3_dir, tmp_path, monkeypatch):
+    """load_teacher and load_pipeline (distill.evaluate, distill.sample) name the missing text_encoder_2/ from the
+    family's components (ModelFamily.check_components) without calling from_pretrained; T5 stays optional."""
+    import shutil
+
+    from distill.inference.loading import load_pipeline
+
+    folder = tmp_path / "no_clip_g"
+    shutil.copytree(sd3_dir, folder)
+    shutil.rmtree(folder / "text_encoder_2")
+    for cls in (StableDiffusion3Pipeline, DiffusionPipeline):
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("weights loaded")))
+    with pytest.raises(FileNotFoundError, match=r"teacher.pretrained_model_name_or_path=.* is a 'sd3' pipeline "
+                                                r"without text_encoder_2/; copy those folders"):
+        load_teacher(str(folder))
+    with pytest.raises(FileNotFoundError, match=r"pipeline=.* is a 'sd3' pipeline without text_encoder_2/;"):
+        load_pipeline(str(folder))
+    StableDiffusion3Family.check_components(sd3_dir, pipeline_configs(sd3_dir))  # no T5: complete

@@ -57,6 +57,8 @@ class ModelFamily:
     pipeline_class: ClassVar[type | None] = None  # the diffusers pipeline class of its exports
     denoiser_component: ClassVar[str] = ""  # the pipeline component that is the denoiser ("unet", "transformer")
     methods: ClassVar[tuple[str, ...] | None] = None  # the training methods (METHODS names) that serve it; None: all
+    components: ClassVar[tuple[str, ...]] = ()  # the pipeline components it cannot run without (check_components)
+    component_notes: ClassVar[dict[str, str]] = {}  # component -> why it is required, where that is not obvious
     # condition key -> the pipeline call's keyword for it (prompt_embeds, ...); None: the pipeline derives it itself
     call_inputs: ClassVar[dict[str, str | None]] = {}
 
@@ -89,8 +91,18 @@ class ModelFamily:
 
     @classmethod
     def check_components(cls, name_or_path: str | Path, configs: dict[str, dict], key: str = TEACHER_KEY) -> None:
-        """Refuse, from ``pipeline_configs``' JSON alone (before any weights), a pipeline of this family that lacks a
-        component it cannot run without, naming it and what to do; every component is optional here."""
+        """Refuse, from ``pipeline_configs``' JSON alone (before any weights), a pipeline of this family that lacks
+        one of its ``components`` (null or absent in model_index.json, or a local folder without its folder), naming
+        them, why where ``component_notes`` says, and what to do."""
+        index, local = configs["pipeline"], Path(name_or_path).exists()
+        missing = [name for name in cls.components if (index.get(name) or [None])[0] is None
+                   or (local and not (Path(name_or_path) / name).is_dir())]
+        if missing:
+            notes = "; ".join(dict.fromkeys(cls.component_notes[m] for m in missing if m in cls.component_notes))
+            raise FileNotFoundError(
+                f"{key}={str(name_or_path)!r} is a {FAMILIES.name_of(cls)!r} pipeline without "
+                f"{', '.join(m + '/' for m in missing)}{f' ({notes})' if notes else ''}; copy those folders from the "
+                "pipeline it was saved from, or load it, add them and save it again")
 
     @classmethod
     def teacher_of(cls, pipe, source: str, load_options: dict, **conditioner_options) -> Teacher:

@@ -17,8 +17,6 @@ run on it; no training method serves it yet (consistency distillation's solver g
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import diffusers
 import torch
 from diffusers import FluxPipeline
@@ -35,7 +33,6 @@ from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
 FLUX_NUM_INFERENCE_STEPS, FLUX_GUIDANCE_SCALE, FLUX_MAX_SEQUENCE_LENGTH = 28, 3.5, 512
 FLUX_SAMPLE_SIZE = 128
 FLUX_TIMESTEP_SCALE = 1000  # FluxPipeline passes timestep / 1000; the transformer multiplies by 1000 again
-COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 T5_PARTS = ("text_encoder_2", "tokenizer_2")
 
 
@@ -115,30 +112,15 @@ class FluxFamily(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     methods = ()  # consistency's solver grid needs a static shift (methods/consistency.py); the others step VP time
+    components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+    component_notes = dict.fromkeys(T5_PARTS, "T5, whose token states are Flux's whole text context: Flux has no "
+                                              "T5-free mode; black-forest-labs/FLUX.1-dev has them")
 
     @classmethod
     def detect(cls, configs: dict[str, dict]) -> bool:
         """A ``FluxTransformer2DModel`` on a flow-matching scheduler."""
         return (configs.get("transformer", {}).get("_class_name") == "FluxTransformer2DModel"
                 and is_flow_matching(configs["scheduler"]))
-
-    @classmethod
-    def check_components(cls, pretrained_model_name_or_path: str | Path, configs: dict[str, dict],
-                         key: str = "teacher.pretrained_model_name_or_path") -> None:
-        """Refuse, from its configs, a Flux pipeline without one of its components (T5 above all: Flux has no
-        T5-free mode), naming it and what to do; a local folder must also hold each one's folder."""
-        local = Path(pretrained_model_name_or_path).exists()
-        index = configs["pipeline"]
-        missing = [name for name in COMPONENTS if (index.get(name) or [None])[0] is None
-                   or (local and not (Path(pretrained_model_name_or_path) / name).is_dir())]
-        if missing:
-            t5 = [name for name in missing if name in T5_PARTS]
-            why = (f" ({' and '.join(t5)}: T5, whose token states are Flux's whole text context; Flux has no "
-                   "T5-free mode)" if t5 else "")
-            raise FileNotFoundError(
-                f"{key}={str(pretrained_model_name_or_path)!r} is a Flux pipeline without "
-                f"{', '.join(m + '/' for m in missing)}{why}; copy those folders from the pipeline it was saved from "
-                "(black-forest-labs/FLUX.1-dev has them all), or load it, add them and save it again")
 
     @classmethod
     def load(cls, pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,

@@ -15,8 +15,6 @@ integer timesteps, and a run of one on an SD3 teacher is refused before anything
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import diffusers
 import torch
 from diffusers import StableDiffusion3Pipeline
@@ -175,6 +173,7 @@ class StableDiffusion3Family(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     methods = ("consistency",)  # the others step the discrete VP schedule at integer timesteps
+    components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 
     @classmethod
     def detect(cls, configs: dict[str, dict]) -> bool:
@@ -185,18 +184,12 @@ class StableDiffusion3Family(ModelFamily):
     @classmethod
     def load(cls, pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,
              torch_dtype: str | None = None, max_sequence_length: int = SD3_MAX_SEQUENCE_LENGTH) -> Teacher:
-        """``StableDiffusion3Pipeline.from_pretrained``, T5 None where the pipeline has none (its model_index.json
-        lacks ``text_encoder_3`` or records it as null), every network frozen."""
+        """``StableDiffusion3Pipeline.from_pretrained`` after ``check_components``, T5 None where the pipeline has
+        none (its model_index.json lacks ``text_encoder_3`` or records it as null), every network frozen."""
         dtype = getattr(torch, torch_dtype) if torch_dtype else None
         index = pipeline_configs(pretrained_model_name_or_path, revision)["pipeline"]
         absent = {name: None for name in T5_PARTS if (index.get(name) or [None])[0] is None}
-        if Path(pretrained_model_name_or_path).exists():
-            missing = [name for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer",
-                                         "tokenizer_2", "scheduler") if not (Path(pretrained_model_name_or_path) / name).is_dir()]
-            if missing:
-                raise FileNotFoundError(f"teacher.pretrained_model_name_or_path={str(pretrained_model_name_or_path)!r} "
-                                        f"is an SD3 pipeline without {', '.join(m + '/' for m in missing)}; copy those "
-                                        "folders from the pipeline it was saved from")
+        cls.check_components(pretrained_model_name_or_path, {"pipeline": index})
         pipe = StableDiffusion3Pipeline.from_pretrained(pretrained_model_name_or_path, revision=revision,
                                                         variant=variant, torch_dtype=dtype, **absent)
         return cls.teacher_of(pipe, pretrained_model_name_or_path,
