@@ -76,6 +76,8 @@ def run_in_process(cfg, tmp_path):
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_of_every_group_composes(compose, group, image_root, shard_pattern):
     required = {"text_unet": ["student.sample_size=8", "student.cross_attention_dim=64"],  # ??? by design
+                "sd3_transformer": ["student.sample_size=8", "student.joint_attention_dim=128",
+                                    "student.pooled_projection_dim=128"],
                 "pretrained": ["student.path=some/export"]}
     for option in options(group):
         extra = data_overrides(option, image_root, shard_pattern) if group == "data" else required.get(option, [])
