@@ -827,20 +827,25 @@ def test_a_cancelled_batch_stops_its_pipeline_call_at_the_next_step(pipe):
 
 def test_the_admission_estimate_follows_each_requests_own_size(pipe):
     """After calls of several sizes, the expected time of a request alone is its measured time within 50%, for
-    one image and for eight: a burst of large calls does not make a small request look slow, nor the reverse."""
+    one image and for eight: a burst of large calls does not make a small request look slow, nor the reverse.
+    The median of three runs of each, interleaved: one load spike of a shared machine (once an estimate of 0.36 s
+    for a run of 0.21 s) does not decide it."""
     engine = make_engine(pipe, mode="batch", max_batch_size=8, max_wait_ms=0.0)
+    ratios: dict[int, list[float]] = {1: [], 8: []}
     try:
         for n in (1, 8, 1, 8, 4):  # calls of 1, 8 and 4 images (2 UNet rows each: guidance)
             run(engine, [engine.job([PROMPTS[i] for i in range(n)], seed=n, steps=6)])
-        for n in (1, 8):
-            job = engine.job([PROMPTS[i] for i in range(n)], seed=3, steps=12)
-            expected = engine.expected_seconds(job)
-            start = time.monotonic()
-            run(engine, [job])
-            took = time.monotonic() - start
-            assert 0.5 * took < expected < 1.5 * took, (n, expected, took)
+        for _ in range(3):
+            for n in ratios:
+                job = engine.job([PROMPTS[i] for i in range(n)], seed=3, steps=8)
+                expected = engine.expected_seconds(job)
+                start = time.monotonic()
+                run(engine, [job])
+                ratios[n].append(expected / (time.monotonic() - start))
     finally:
         engine.close(timeout=60)
+    for n, measured in ratios.items():
+        assert 0.5 < sorted(measured)[1] < 1.5, (n, measured)  # expected / took
 
 
 def test_stream_refuses_a_short_request_that_would_wait_behind_a_full_active_set(pipe):
