@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from distill.diffusion import flow
-from distill.diffusion.schedules import FlowMatchingSchedule
 from distill.methods import METHODS
 from distill.methods.diffusion import DiffusionTraining
+from distill.models.teacher import is_flow_matching
 
 
 @METHODS.register("flow_matching", choices={"prediction_type": flow.FLOW_PREDICTION_TYPES,
@@ -38,12 +38,12 @@ class FlowMatchingTraining(DiffusionTraining):
             raise ValueError(f"method.loss_weighting={loss_weighting!r}; use one of {list(flow.LOSS_WEIGHTINGS)}")
         if time_sampling not in flow.TIME_SAMPLINGS:
             raise ValueError(f"method.time_sampling={time_sampling!r}; use one of {list(flow.TIME_SAMPLINGS)}")
-        super().__init__(student, noise_scheduler, conditioner, optimizer, lr_scheduler, prediction_type,
-                         cond_dropout, loss_weighting="none", sampling=sampling, vae=vae, **speed)
-        if not isinstance(self.schedule, FlowMatchingSchedule):
+        if not is_flow_matching({**noise_scheduler.config, "_class_name": type(noise_scheduler).__name__}):
             raise ValueError(f"method.noise_scheduler is a {type(noise_scheduler).__name__}: flow matching trains on a "
                              "flow-matching schedule (diffusers.FlowMatchEulerDiscreteScheduler); for a DDPM-family "
                              "schedule use method=diffusion")
+        super().__init__(student, noise_scheduler, conditioner, optimizer, lr_scheduler, prediction_type,
+                         cond_dropout, loss_weighting="none", sampling=sampling, vae=vae, **speed)
         if self.noise.timesteps != "default" or self.noise.stratified or self.noise.antithetic:
             raise ValueError("method.noise (timesteps, stratified, antithetic) draws discrete VP timesteps; flow "
                              "matching draws t by method.time_sampling: leave method.noise at its defaults")
@@ -61,7 +61,7 @@ class FlowMatchingTraining(DiffusionTraining):
         x0 = self.latents(batch, generator)  # (N, C, H, W)
         n = x0.shape[0]
         t = self.draw_times(n, generator).to(x0.device)
-        eps = torch.randn(x0.shape, generator=generator).to(x0) if generator is not None else torch.randn_like(x0)
+        eps = self.draw_noise(x0, generator)
         drop = (torch.rand(n, generator=generator) < self.cond_dropout) if drop_conditions else None
         cond = {k: v.to(x0.device) for k, v in self.family.condition(batch, drop).items()}
         x_t = self.schedule.add_noise(x0, eps, t)
