@@ -180,15 +180,16 @@ def test_a_resolution_shifted_flow_teacher_is_refused_at_construction(tmp_path):
 # the stock pipeline in a process that does not import distill, called with the model card's arguments (4 steps,
 # guidance 1: distilled in); FlowMatchLCMScheduler re-noises from the global RNG, so it is seeded alike
 STOCK_SD3 = """
+import json
 import sys
 import torch
 from diffusers import StableDiffusion3Pipeline
 
-pipe = StableDiffusion3Pipeline.from_pretrained(sys.argv[1], text_encoder_3=None, tokenizer_3=None)
+stock = json.loads(sys.argv[3])  # what the model card tells a user of the stock class (distill.json "stock")
+pipe = StableDiffusion3Pipeline.from_pretrained(sys.argv[1], **{name: None for name in stock["load"]})
 pipe.set_progress_bar_config(disable=True)
 torch.manual_seed(0)
-images = pipe(sys.argv[4], num_inference_steps=4, guidance_scale=1.0, max_sequence_length=int(sys.argv[3]),
-              generator=torch.Generator().manual_seed(0), output_type="pt").images
+images = pipe(sys.argv[4], **stock["call"], generator=torch.Generator().manual_seed(0), output_type="pt").images
 torch.save(images, sys.argv[2])
 assert not any(name == "distill" or name.startswith("distill.") for name in sys.modules), "distill was imported"
 print(type(pipe).__name__, type(pipe.scheduler).__name__)
@@ -230,10 +231,16 @@ def test_two_cli_steps_on_the_sd3_teacher_export_a_flow_lcm_pipeline(sd3_dir, tm
         ours = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), output_type="pt").images
     assert (counter.calls, counter.examples) == (4, 4) and ours.shape == (1, 1, 32, 32)
     assert torch.isfinite(ours).all() and ours.std() > 0
+    # the card's stock call: its step count, guidance 1 (distilled) and the T5 token count; T5 loaded as None
+    assert info["stock"] == {"call": {"max_sequence_length": index["default_max_sequence_length"]},
+                             "load": ["text_encoder_3", "tokenizer_3"]}
+    card = (export / "README.md").read_text()
+    assert "num_inference_steps=4, guidance_scale=1.0, max_sequence_length=" in card and "text_encoder_3=None" in card
+    call = {"num_inference_steps": 4, "guidance_scale": 1.0, **info["stock"]["call"]}
     (tmp_path / "stock.py").write_text(STOCK_SD3)
     proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(export), str(tmp_path / "x.pt"),
-                           str(index["default_max_sequence_length"]), PROMPTS[0]], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+                           json.dumps({"load": info["stock"]["load"], "call": call}), PROMPTS[0]], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["StableDiffusion3Pipeline", "FlowMatchLCMScheduler"]
     assert torch.equal(ours, torch.load(tmp_path / "x.pt"))

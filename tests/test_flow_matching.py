@@ -110,6 +110,14 @@ def test_the_configs_vae_shift_and_scaling_are_measured_on_the_training_split():
 def test_bad_settings_are_refused_naming_the_fix(conditioner):
     with pytest.raises(ValueError, match="flow matching trains on a flow-matching schedule.*use method=diffusion"):
         _method(conditioner, DDPMScheduler())
+    from distill.models.conditioning import ClassConditioner
+
+    with pytest.raises(ValueError, match=r"method.conditioner \(ClassConditioner\) makes a ClassUNetFamily network, "
+                                         r"which is not flow matching.*use an SD3Conditioner with method=flow_matching"):
+        FlowMatchingTraining(torch.nn.Linear(1, 1), FlowMatchEulerDiscreteScheduler(), ClassConditioner(10),
+                             torch.optim.SGD)
+    with pytest.raises(ValueError, match=r"scheduler.name: 'ddim' steps a discrete VP .*use one of \['flow_euler'"):
+        _method(conditioner, sampling={"name": "ddim", "num_inference_steps": 4, "guidance_scale": 1.0})
     with pytest.raises(ValueError, match=r"method.time_sampling='beta'; use one of"):
         _method(conditioner, time_sampling="beta")
     with pytest.raises(ValueError, match="leave method.noise at its defaults"):

@@ -57,6 +57,7 @@ class ModelFamily:
     pipeline_class: ClassVar[type | None] = None  # the diffusers pipeline class of its exports
     denoiser_component: ClassVar[str] = ""  # the pipeline component that is the denoiser ("unet", "transformer")
     methods: ClassVar[tuple[str, ...] | None] = None  # the training methods (METHODS names) that serve it; None: all
+    flow_matching: ClassVar[bool] = False  # its network's time input is a flow scheduler's timestep (1000 t), not VP's
     components: ClassVar[tuple[str, ...]] = ()  # the pipeline components it cannot run without (check_components)
     component_notes: ClassVar[dict[str, str]] = {}  # component -> why it is required, where that is not obvious
     # condition key -> the pipeline call's keyword for it (prompt_embeds, ...); None: the pipeline derives it itself
@@ -113,8 +114,7 @@ class ModelFamily:
         for module in (denoiser, pipe.vae):
             module.requires_grad_(False).eval()
         family = cls(pipe.scheduler, pipe.vae, cls.conditioner_of(pipe, **conditioner_options))
-        return Teacher(denoiser, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler, str(source), load_options,
-                       family=family)
+        return Teacher(denoiser, pipe.vae, pipe.scheduler, str(source), load_options, family=family)
 
     @classmethod
     def from_pipeline(cls, pipe, cache_prompts: bool = True) -> ModelFamily:

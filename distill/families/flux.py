@@ -112,6 +112,7 @@ class FluxFamily(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     methods = ()  # consistency's solver grid needs a static shift (methods/consistency.py); the others step VP time
+    flow_matching = True
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
     component_notes = dict.fromkeys(T5_PARTS, "T5, whose token states are Flux's whole text context: Flux has no "
                                               "T5-free mode; black-forest-labs/FLUX.1-dev has them")

@@ -54,8 +54,8 @@ class StableDiffusionFamily(ModelFamily):
         for module in (pipe.unet, pipe.vae, pipe.text_encoder):
             module.requires_grad_(False).eval()
         family = cls.from_pipeline(pipe)
-        return Teacher(pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler,
-                       str(pretrained_model_name_or_path), {"revision": revision, "variant": variant, "torch_dtype": dtype},
+        return Teacher(pipe.unet, pipe.vae, pipe.scheduler, str(pretrained_model_name_or_path),
+                       {"revision": revision, "variant": variant, "torch_dtype": dtype},
                        family=family)
 
     @classmethod

@@ -10,7 +10,7 @@ conditioner and the export take it as a setting (``max_sequence_length``).
 Consistency distillation serves this family (``method=consistency``: Euler steps of the flow ODE, exported with
 ``FlowMatchLCMScheduler``, ``scheduler=flow_lcm``); the other training methods step the discrete VP schedule at
 integer timesteps, and a run of one on an SD3 teacher is refused before anything loads. ``distill.evaluate`` and
-``distill.sample`` run on it.
+``distill.sample`` run on it, and ``method=flow_matching`` trains an SD3 transformer from scratch (``+exp=flow_teacher``).
 """
 
 from __future__ import annotations
@@ -173,6 +173,7 @@ class StableDiffusion3Family(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     methods = ("consistency",)  # the others step the discrete VP schedule at integer timesteps
+    flow_matching = True
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 
     @classmethod

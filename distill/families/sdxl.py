@@ -143,8 +143,8 @@ class StableDiffusionXLFamily(ModelFamily):
                              f"supported: {list(PREDICTION_TYPES)}")
         for module in (pipe.unet, pipe.vae, pipe.text_encoder, pipe.text_encoder_2):
             module.requires_grad_(False).eval()
-        return Teacher(pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler,
-                       str(pretrained_model_name_or_path), {"revision": revision, "variant": variant, "torch_dtype": dtype},
+        return Teacher(pipe.unet, pipe.vae, pipe.scheduler, str(pretrained_model_name_or_path),
+                       {"revision": revision, "variant": variant, "torch_dtype": dtype},
                        family=cls.from_pipeline(pipe))
 
     @classmethod

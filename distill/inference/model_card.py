@@ -28,6 +28,8 @@ def write_export_info(out_dir: str | Path, info: dict, quality_table: str | None
     """Write ``info`` to ``out_dir/distill.json`` and the model card rendered from it to ``out_dir/README.md``;
     ``quality_table``: the measured quality-cost rows as the command renders them (none: not measured)."""
     out_dir = Path(out_dir)
+    if info.get("conditioning") != "class" and (out_dir / "model_index.json").is_file():
+        info = dict(info, stock=stock_extras(out_dir, info.get("pipeline", "DistillTextToImagePipeline")))
     (out_dir / INFO_FILE).write_text(json.dumps(info, indent=2))
     (out_dir / "README.md").write_text(model_card(info, quality_table))
     return out_dir
@@ -62,8 +64,26 @@ def _example(info: dict) -> str:
     return "" if info.get("conditioning") == "class" else '"<prompt>"'
 
 
+def stock_extras(folder: Path, pipeline: str) -> dict:
+    """What diffusers' stock class needs beyond the step count and the guidance to sample the folder as its distill
+    class does: ``call``, the registered defaults of other call arguments (``default_max_sequence_length``: the T5
+    tokens, zeros without T5, which change the transformer's context), and ``load``, the components the folder
+    saved as null that the stock class does not list as optional (``from_pretrained(..., name=None)``)."""
+    import diffusers
+
+    import distill.inference.pipelines  # noqa: F401  (registers distill's classes with diffusers)
+
+    index = json.loads((folder / "model_index.json").read_text())
+    cls = getattr(diffusers, pipeline)
+    stock = next(c for c in cls.__mro__ if c.__module__.startswith("diffusers."))
+    call = {name[len("default_"):]: index[name] for name in ("default_max_sequence_length",) if name in index}
+    load = [name for name, spec in index.items() if isinstance(spec, list) and spec == [None, None]
+            and name not in stock._optional_components]
+    return {"call": call, "load": load}
+
+
 def _stock_note(info: dict) -> str:
-    """How to call the folder through diffusers' stock class, which ignores the registered defaults."""
+    """How to load and call the folder through diffusers' stock class, which ignores the registered defaults."""
     if info.get("conditioning") == "class":
         return ""
     call = info["sampling"]
@@ -71,9 +91,14 @@ def _stock_note(info: dict) -> str:
     why = (" (the guidance is distilled: a larger value would add a CFG pass on top of it)"
            if info.get("guidance_distilled") else "")
     stock, steps, scale = stock_call(info.get("pipeline", "DistillTextToImagePipeline"))
+    extras = info.get("stock") or {"call": {}, "load": []}
+    arguments = ", ".join([f"num_inference_steps={call['num_inference_steps']}", f"guidance_scale={guidance}",
+                           *(f"{k}={v}" for k, v in extras["call"].items())])
+    load = (f" Load it with `{stock}.from_pretrained(<this folder>, {', '.join(f'{n}=None' for n in extras['load'])})`"
+            " (the folder has none of these components)." if extras["load"] else "")
     return (f"\nWith diffusers' stock `{stock}` (still after the import above, for distill's "
-            f"component classes), pass the call explicitly: `num_inference_steps={call['num_inference_steps']}, "
-            f"guidance_scale={guidance}`{why}; its own defaults ({steps} steps, guidance {scale}) are not this model's.\n")
+            f"component classes), pass the call explicitly: `{arguments}`{why}; its own defaults ({steps} steps, "
+            f"guidance {scale}) are not this model's.{load}\n")
 
 
 def stock_call(pipeline: str) -> tuple[str, int, float]:
@@ -116,13 +141,13 @@ tags: [distill, {info['method']}]
 
 # {info['method']} student
 
-Trained with `distill` (method `{info['method']}`{teacher}); the UNet is a `{info['student']}`.
+Trained with `distill` (method `{info['method']}`{teacher}); the denoiser is a `{info['student']}`.
 
 ## Intended call
 
 `{info['pipeline']}` registers these defaults in `model_index.json`, so `pipe({_example(info)})` uses them:
 `num_inference_steps={steps}`, `guidance_scale={guidance}`, scheduler `{call.get('class', call['name'])}`;
-{nfe} UNet evaluation(s) per step, {nfe * steps} per image.
+{nfe} network evaluation(s) per step, {nfe * steps} per image.
 
 Guidance: {info['guidance']}
 

@@ -61,7 +61,10 @@ DEFAULT_NOISE = NoiseOptions()  # method.noise's defaults (NoiseOptions); never 
 
 def _plateau_monitor(scheduler, key: str) -> dict:
     """What Lightning needs to step a ``ReduceLROnPlateau`` schedule under automatic optimization: the logged loss
-    it watches, every step; nothing for any other schedule (several roles step theirs in ``update_roles``)."""
+    it watches, every step (``lr_scheduler_step`` averages it over the ranks); nothing for any other schedule
+    (several roles step theirs in ``update_roles``). Lightning steps it after the step's checkpoint callbacks, so a
+    checkpoint of step N holds the schedule before step N's update (resumed runs step it at N + 1 with N + 1's
+    loss: one decision fewer); several roles step theirs inside the step, before any checkpoint."""
     return {"monitor": key} if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) else {}
 
 
@@ -510,6 +513,17 @@ class DistillMethod(L.LightningModule):
         """The logged training loss of role ``name``."""
         return "train/loss" if name == "student" else f"train/{name}_loss"
 
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        """Step ``scheduler``; a ``ReduceLROnPlateau`` on ``metric`` averaged over the ranks, so that every rank
+        takes the same decision (a rank's own loss would give each replica its own learning rate)."""
+        if not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            scheduler.step()
+            return
+        metric = torch.as_tensor(metric, dtype=torch.float32, device=self.device)
+        if self.trainer.world_size > 1:
+            metric = self.trainer.strategy.reduce(metric, reduce_op="mean")
+        scheduler.step(float(metric))
+
     def role_of(self, optimizer) -> str:
         """The role that ``optimizer`` (a torch optimizer, or Lightning's wrapper of one) updates."""
         optimizer = getattr(optimizer, "optimizer", optimizer)
@@ -546,10 +560,8 @@ class DistillMethod(L.LightningModule):
             for _ in range(role.updates_per_step):
                 self._update(role.name, optimizers[role.name], batch, n)
         for name, scheduler in self._role_schedulers.items():
-            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                scheduler.step(self._last_role_loss[name])  # on the role's loss of its last update this step
-            else:
-                scheduler.step()
+            # a plateau schedule on the role's loss of its last update this step
+            self.lr_scheduler_step(scheduler, self._last_role_loss.get(name))
 
     def _update(self, name: str, optimizer, batch: dict, n: int) -> None:
         """One update of role ``name``: only its parameters require gradients meanwhile. The student steps through

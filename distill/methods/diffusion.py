@@ -15,10 +15,11 @@ from distill.diffusion.noise import edm_timestep_probabilities
 from distill.diffusion.parametrization import PREDICTION_TYPES
 from distill.families import family_for
 from distill.families.class_unet import ClassUNetFamily
-from distill.inference.schedulers import make_scheduler, scheduler_options
+from distill.inference.schedulers import check_scheduler_kind, make_scheduler, scheduler_options
 from distill.methods import METHODS
 from distill.methods.base import DistillMethod, pipeline_images
 from distill.methods.checks import check_probability
+from distill.models.teacher import is_flow_matching
 
 
 @METHODS.register("diffusion", choices={"prediction_type": PREDICTION_TYPES, "loss_weighting": WEIGHTINGS})
@@ -67,6 +68,15 @@ class DiffusionTraining(DistillMethod):
                                                                  self.noise.sigma_data)
         self.student = student
         self.family = family_for(noise_scheduler, vae, conditioner)
+        # the training scheduler's config with its class, as saved (what tells a flow-matching schedule)
+        self.scheduler_config = {**noise_scheduler.config, "_class_name": type(noise_scheduler).__name__}
+        if self.family.flow_matching != is_flow_matching(self.scheduler_config):
+            raise ValueError(
+                f"method.conditioner ({type(conditioner).__name__}) makes a {type(self.family).__name__} network, "
+                f"which is {'' if self.family.flow_matching else 'not '}flow matching, but method.noise_scheduler is a "
+                f"{type(noise_scheduler).__name__}; train it with "
+                + ("method=flow_matching (FlowMatchEulerDiscreteScheduler)" if self.family.flow_matching else
+                   "method=diffusion (a DDPM-family scheduler), or use an SD3Conditioner with method=flow_matching"))
         self.text = not isinstance(self.family, ClassUNetFamily)  # prompts, or class labels
         if self.text and vae is None:
             raise ValueError(f"a text-conditioned model exports as a {self.family.pipeline_class.__name__}, which "
@@ -78,6 +88,7 @@ class DiffusionTraining(DistillMethod):
         self.cond_dropout = cond_dropout
         self.loss_weighting, self.snr_gamma = loss_weighting, snr_gamma
         self.sampling = dict(sampling or {"name": "ddim", "num_inference_steps": 50, "guidance_scale": 1.0})
+        check_scheduler_kind(self.sampling["name"], self.scheduler_config)  # before any sample grid or export
         self.schedule = self.family.schedule  # what the loss noises with
         self.num_train_timesteps = noise_scheduler.config.num_train_timesteps
         self.time_target = None  # the timesteps' distribution: uniform, or EDM's lognormal in sigma
@@ -137,12 +148,10 @@ class DiffusionTraining(DistillMethod):
     def sampling_scheduler(self, name: str | None = None):
         """The configured sampling scheduler, or another one by ``name`` with the options of its
         ``conf/scheduler/<name>.yaml`` (as every sweep row gets them)."""
-        # the training scheduler's config with its class, as saved (what tells a flow-matching schedule)
-        config = {**self.noise_scheduler.config, "_class_name": type(self.noise_scheduler).__name__}
         if name is not None and name != self.sampling["name"]:
-            return make_scheduler(name, config, **scheduler_options(name))
+            return make_scheduler(name, self.scheduler_config, **scheduler_options(name))
         options = dict(self.sampling.get("options") or {})
-        return make_scheduler(self.sampling["name"], config, **options)
+        return make_scheduler(self.sampling["name"], self.scheduler_config, **options)
 
     @torch.no_grad()
     def generate(self, batch: dict, generator: torch.Generator, num_inference_steps: int | None = None,

@@ -23,7 +23,8 @@ class FlowMatchingTraining(DiffusionTraining):
     sigmoid(N(logit_mean, logit_std^2)), Esser et al. 2024 eq. 19; ``mode``, eq. 20; ``uniform``), shifted as the
     scheduler shifts its sigmas (``shift``), and regresses the network's output on ``prediction_type``'s target
     (``flow_prediction``: v = eps - x0) with SD3's per-example ``loss_weighting`` (``none``, ``sigma_sqrt``,
-    ``cosmap``). Conditions are dropped with probability ``cond_dropout`` for classifier-free guidance; sampling,
+    ``cosmap``; independent of the time sampling: diffusers' ``--weighting_scheme=cosmap`` / ``sigma_sqrt`` is
+    ``time_sampling=uniform`` with that weighting). Conditions are dropped with probability ``cond_dropout`` for classifier-free guidance; sampling,
     the exported pipeline (the conditioner's family: ``SD3Conditioner`` -> ``DistillSD3Pipeline``) and validation
     are ``DiffusionTraining``'s."""
 
@@ -42,6 +43,7 @@ class FlowMatchingTraining(DiffusionTraining):
             raise ValueError(f"method.noise_scheduler is a {type(noise_scheduler).__name__}: flow matching trains on a "
                              "flow-matching schedule (diffusers.FlowMatchEulerDiscreteScheduler); for a DDPM-family "
                              "schedule use method=diffusion")
+        sampling = sampling or {"name": "flow_euler", "num_inference_steps": 28, "guidance_scale": 1.0}
         super().__init__(student, noise_scheduler, conditioner, optimizer, lr_scheduler, prediction_type,
                          cond_dropout, loss_weighting="none", sampling=sampling, vae=vae, **speed)
         if self.noise.timesteps != "default" or self.noise.stratified or self.noise.antithetic:

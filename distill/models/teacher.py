@@ -18,18 +18,27 @@ SAFETY_COMPONENTS = ("safety_checker", "feature_extractor")  # what a stock SD p
 
 @dataclass
 class Teacher:
-    """The frozen parts of a text-to-image latent diffusion model, and its ``family`` (a
-    ``distill.families.ModelFamily`` instance bound to these parts: conditioning, latents, schedule, denoise).
-    ``denoiser`` is the denoising network, whatever its kind (a UNet, a transformer): what a student is built from."""
+    """The frozen parts of a latent diffusion model, and its ``family`` (a ``distill.families.ModelFamily`` instance
+    bound to these parts: conditioning, latents, schedule, denoise). ``denoiser`` is the denoising network, whatever
+    its kind (a UNet, a transformer): what a student is built from. The encoders of the conditioning (one CLIP, two,
+    CLIP + T5, none for class labels) are the family conditioner's."""
 
     denoiser: nn.Module
     vae: nn.Module
-    text_encoder: nn.Module
-    tokenizer: object
     scheduler: object
     source: str
     load_options: dict = field(default_factory=dict)  # from_pretrained's revision, variant, torch_dtype for source
     family: object = None  # set by the family that loads it
+
+    @property
+    def text_encoder(self) -> nn.Module | None:
+        """The conditioner's (first) text encoder; None without text conditioning."""
+        return getattr(getattr(self.family, "conditioner", None), "text_encoder", None)
+
+    @property
+    def tokenizer(self):
+        """The tokenizer of ``text_encoder``; None without text conditioning."""
+        return getattr(getattr(self.family, "conditioner", None), "tokenizer", None)
 
     @property
     def prediction_type(self) -> str:
