@@ -1,7 +1,8 @@
 """distill.serve on every family (issues 32 and 33): the engine encodes prompts with the pipeline's family
 (``condition`` / ``null_condition``), calls the network through ``denoise_at`` and decodes with ``decode`` (the
-VAE's shift_factor), so that SDXL's and SD3's tiny stand-ins serve in each engine mode, each image equal to the
-pipeline's own call with the same seed; classifier guidance reads its schedule and latents from the family too,
+VAE's shift_factor), so that SDXL's, SD3's and Flux's tiny stand-ins serve in each engine mode, each image equal to
+the pipeline's own call with the same seed (Flux: the timesteps shifted by the resolution's mu, noise of the packed
+latents' channels, guidance an input of the transformer rather than a CFG pass, latents unpacked before decoding); classifier guidance reads its schedule and latents from the family too,
 and refuses a flow-matching one naming it.
 
 The reference is the pipeline called alone, ``pipe(prompt, num_inference_steps, guidance_scale, generator)``; the
@@ -15,12 +16,15 @@ import pytest
 import torch
 from PIL import Image
 
+from distill.families import native_size
 from distill.serve.engine import MODES, Engine
+from tests.flux_tiny import tiny_flux_pipeline, write_tiny_flux
 from tests.sd3_tiny import tiny_sd3_pipeline
 from tests.sd_tiny import write_tiny_sdxl
 
 PROMPTS = ["a handwritten digit three", "a handwritten digit seven", "a handwritten digit one"]
 STEPS, GUIDANCE = 3, 3.0
+SIDE = 32  # the requests' image side: SDXL's and SD3's native size; Flux's 128 is native to the byte-identical test
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +43,16 @@ def sd3(tmp_path_factory):
     return pipe
 
 
-def reference(pipe, prompt: str, seed: int, guidance: float = GUIDANCE) -> np.ndarray:
-    image = pipe(prompt, num_inference_steps=STEPS, guidance_scale=guidance,
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    """FLUX.1-dev's layout at 128x128 (its native size through the stand-in's factor-1 VAE: 4096 packed tokens)."""
+    pipe = tiny_flux_pipeline(tmp_path_factory.mktemp("flux") / "_vocab")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def reference(pipe, prompt: str, seed: int, guidance: float = GUIDANCE, side: int | None = None) -> np.ndarray:
+    image = pipe(prompt, num_inference_steps=STEPS, guidance_scale=guidance, height=side, width=side,
                  generator=torch.Generator().manual_seed(seed)).images[0]
     return np.asarray(image.convert("RGB"))
 
@@ -49,39 +61,43 @@ def pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
 
 
-def serve(pipe, mode: str, requests: list[tuple[str, int, float]]) -> list[np.ndarray]:
-    """Each (prompt, seed, guidance) request's image, the requests submitted together (sharing batches)."""
+def serve(pipe, mode: str, requests: list[tuple[str, int, float]], side: int | None = None) -> list[np.ndarray]:
+    """Each (prompt, seed, guidance) request's image at ``side`` (None: native), the requests submitted together
+    (sharing batches)."""
     engine = Engine(pipe, steps=STEPS, guidance_scale=GUIDANCE, mode=mode, max_wait_ms=200.0)
     try:
-        futures = [engine.submit(engine.job([p], seed=s, guidance_scale=g)) for p, s, g in requests]
+        futures = [engine.submit(engine.job([p], seed=s, guidance_scale=g, height=side, width=side))
+                   for p, s, g in requests]
         return [pixels(f.result(timeout=120).png[0]) for f in futures]
     finally:
         engine.close(timeout=60)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("family", ["sdxl", "sd3"])
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
 def test_each_engine_mode_serves_the_pipelines_own_images(family, mode, request):
     """Three requests, one unguided (guidance 1: no CFG rows), in one batch where the mode batches: every image
     within 1/255 of the pipeline's own call with its seed (stream mode batches the guided and unguided ones into
-    one network call)."""
+    one network call; Flux's two guidance values are then two rows of its guidance input). 32x32 is Flux's 256
+    packed tokens, mu 0.5 where its native size's is 1.15: the timesteps follow the request's size."""
     pipe = request.getfixturevalue(family)
     requests = [(PROMPTS[0], 0, GUIDANCE), (PROMPTS[1], 5, GUIDANCE), (PROMPTS[2], 9, 1.0)]
     if mode in ("batch", "pipeline"):  # a batch shares one guidance scale: the unguided one is its own batch
         requests[2] = (PROMPTS[2], 9, GUIDANCE)
-    served = serve(pipe, mode, requests)
+    served = serve(pipe, mode, requests, SIDE)
     for image, (prompt, seed, guidance) in zip(served, requests):
-        expected = reference(pipe, prompt, seed, guidance)
-        assert image.shape == expected.shape == (32, 32, 3)
+        expected = reference(pipe, prompt, seed, guidance, SIDE)
+        assert image.shape == expected.shape == (SIDE, SIDE, 3)
         diff = np.abs(image.astype(int) - expected.astype(int))
         assert diff.max() <= 1, f"{family} {mode}: max pixel difference {diff.max()} > 1/255"
     assert not np.array_equal(served[0], served[1])  # the prompts and seeds matter
 
 
-@pytest.mark.parametrize("family", ["sdxl", "sd3"])
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
 def test_one_job_served_alone_is_byte_identical(family, request):
     pipe = request.getfixturevalue(family)
     image, = serve(pipe, "sequential", [(PROMPTS[0], 3, GUIDANCE)])
+    assert image.shape == (native_size(pipe), native_size(pipe), 3)
     assert np.array_equal(image, reference(pipe, PROMPTS[0], 3))
 
 
@@ -91,6 +107,17 @@ def test_sd3_sizes_are_multiples_of_the_vae_factor_times_the_patch_size(sd3):
         (field, message), = engine.check(["a digit"], None, None, 36, None, None, None)  # 36 = 9 latents: odd
         assert field == "height" and "VAE factor x patch size 8" in message
         assert engine.check(["a digit"], None, None, 40, 24, None, None) == []
+    finally:
+        engine.close()
+
+
+def test_flux_sizes_are_multiples_of_the_vae_factor_times_its_2x2_packing(flux):
+    engine = Engine(flux, steps=STEPS, guidance_scale=GUIDANCE, mode="sequential")
+    try:
+        (field, message), = engine.check(["a digit"], None, None, 33, None, None, None)  # the factor-1 VAE's 33 latents
+        assert field == "height" and "VAE factor x patch size 2 in [2, 512]" in message
+        assert engine.check(["a digit"], None, None, 34, 24, None, None) == []
+        assert not engine.needs_cfg(GUIDANCE) and engine.job(["a digit"], seed=0).rows == 1  # guidance is an input
     finally:
         engine.close()
 
@@ -171,7 +198,7 @@ def test_classifier_guidance_steers_sdxl_with_its_familys_schedule(sdxl, tmp_pat
     assert torch.allclose(guided, plain - (1 - abar).sqrt() * 2.0 * grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["sdxl", "sd3"])
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
 def test_distill_serve_builds_its_engine_on_a_saved_pipeline_of_the_family(family, tmp_path):
     """``python -m distill.serve pipeline=<folder>``'s engine (``cli.build``) on the saved stand-in serves the image
     of the pipeline loaded from the same folder."""
@@ -180,7 +207,7 @@ def test_distill_serve_builds_its_engine_on_a_saved_pipeline_of_the_family(famil
     from tests.sd3_tiny import write_tiny_sd3
     from tests.test_serve import _compose_serve
 
-    folder = (write_tiny_sdxl if family == "sdxl" else write_tiny_sd3)(tmp_path / family)
+    folder = {"sdxl": write_tiny_sdxl, "sd3": write_tiny_sd3, "flux": write_tiny_flux}[family](tmp_path / family)
     engine, _ = build(_compose_serve(f"pipeline={folder}", "device=cpu", f"steps={STEPS}",
                                      f"guidance_scale={GUIDANCE}", "engine.mode=stream"))
     try:
@@ -201,7 +228,7 @@ def test_classifier_guidance_without_a_pipeline_says_what_it_needs(sd3, tmp_path
         ClassifierGuidance(classifier=str(tmp_path)).attach(sd3.transformer, SamplingContext())
 
 
-@pytest.mark.parametrize("family", ["sdxl", "sd3"])
+@pytest.mark.parametrize("family", ["sdxl", "sd3", "flux"])
 def test_a_long_prompt_is_truncated_and_never_logged(family, request, caplog, capfd):
     """Issue 31 on every family: a prompt far past the text encoders' length is tokenised with truncation (its
     condition has the shapes of a short prompt's) and nothing of it reaches the log or stderr (diffusers'

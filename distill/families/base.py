@@ -62,6 +62,9 @@ class ModelFamily:
     component_notes: ClassVar[dict[str, str]] = {}  # component -> why it is required, where that is not obvious
     # condition key -> the pipeline call's keyword for it (prompt_embeds, ...); None: the pipeline derives it itself
     call_inputs: ClassVar[dict[str, str | None]] = {}
+    # whether a guidance scale > 1 runs classifier-free guidance, a second (unconditional) network row per image; False
+    # where the pipeline passes the scale to the network instead (Flux's distilled-guidance embedding, guidance_input)
+    classifier_free_guidance: ClassVar[bool] = True
 
     def __init__(self, scheduler, vae: nn.Module | None, conditioner: nn.Module):
         if not isinstance(conditioner, self.conditioner_type):
@@ -200,6 +203,27 @@ class ModelFamily:
         schedule's integer timesteps)."""
         return self.denoise(network, x, timestep, cond, **extra)
 
+    def guidance_input(self, guidance_scale: torch.Tensor) -> dict:
+        """The network's keyword arguments for a guidance scale per row (N,) that it takes as an input (FLUX.1-dev's
+        ``guidance``), for ``denoise_at``; none where guidance is classifier-free (two rows) or distilled otherwise."""
+        return {}
+
+    def set_timesteps(self, scheduler, num_inference_steps: int, height: int, width: int,
+                      device: torch.device | str | None = None) -> None:
+        """Set ``scheduler``'s timesteps as the family's pipeline call does for a ``height`` x ``width`` latent
+        (latent pixels): ``set_timesteps(num_inference_steps)``, which a resolution-dependent family overrides."""
+        scheduler.set_timesteps(num_inference_steps, device=device)
+
+    def latent_shape(self, network: nn.Module, n: int, height: int, width: int) -> tuple[int, ...]:
+        """The shape of the initial noise of ``n`` images of a ``height`` x ``width`` latent (latent pixels), in the
+        family's latent layout: (N, in_channels, H, W)."""
+        return (n, network.config.in_channels, height, width)
+
+    def call_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """The latents a ``pipeline_class`` call returns with ``output_type="latent"`` (a ``height`` x ``width``
+        latent) in the family's layout, what ``decode`` takes: the same tensor, unless the pipeline packs them."""
+        return latents
+
     def pipeline_call_inputs(self, cond: dict, null: dict | None = None) -> dict:
         """The keyword arguments of a ``pipeline_class`` call on precomputed conditions: ``cond``'s entries under
         the call's names (``call_inputs``), ``null``'s (classifier-free guidance's unconditional rows) under their
@@ -273,6 +297,12 @@ class ModelFamily:
         """The image side a pipeline of this family samples at natively (the network's sample size in pixels)."""
         size = cls.denoiser_of(pipe).config.sample_size
         return (size if isinstance(size, int) else size[0]) * pipe.vae_scale_factor
+
+    @classmethod
+    def size_multiple(cls, pipe) -> int:
+        """What the image sides of a pipeline of this family must be a multiple of: the VAE's factor, times the
+        transformer's patch size where it cuts latents in patches (SD3's ``patch_size``)."""
+        return pipe.vae_scale_factor * getattr(pipe, "patch_size", 1)
 
 
 class TransformerCallDefaults:

@@ -11,8 +11,10 @@ math, the samplers and ``decode`` see one layout. Packing is a permutation and t
 loop on unpacked latents equals ``FluxPipeline``'s on packed ones bit for bit.
 
 T5 is not optional: Flux has no T5-free mode (its context is T5's tokens alone), so a folder without
-``text_encoder_2``/``tokenizer_2`` is refused before any weights load. ``distill.evaluate`` and ``distill.sample``
-run on it; no training method serves it yet (consistency distillation's solver grid is built from a static shift).
+``text_encoder_2``/``tokenizer_2`` is refused before any weights load. ``distill.evaluate``, ``distill.sample`` and
+``distill.serve`` run on it (the engine's hooks: ``set_timesteps``, ``latent_shape``, ``call_latents``,
+``guidance_input``, ``size_multiple``); no training method serves it yet (consistency distillation's solver grid
+is built from a static shift).
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ from __future__ import annotations
 import diffusers
 import torch
 from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps
 from torch import nn
 
-from distill.diffusion.flow import flux_sigmas, image_seq_len
+from distill.diffusion.flow import (
+    BASE_IMAGE_SEQ_LEN,
+    BASE_SHIFT,
+    MAX_IMAGE_SEQ_LEN,
+    MAX_SHIFT,
+    flux_sigmas,
+    image_seq_len,
+    resolution_shift_mu,
+)
 from distill.diffusion.packing import latent_image_ids, pack_latents, unpack_latents
 from distill.families.base import FAMILIES, ModelFamily, TransformerCallDefaults
 from distill.models.conditioning import TextConditioner
@@ -33,6 +44,7 @@ from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
 FLUX_NUM_INFERENCE_STEPS, FLUX_GUIDANCE_SCALE, FLUX_MAX_SEQUENCE_LENGTH = 28, 3.5, 512
 FLUX_SAMPLE_SIZE = 128
 FLUX_TIMESTEP_SCALE = 1000  # FluxPipeline passes timestep / 1000; the transformer multiplies by 1000 again
+PACK = 2  # latents are packed in PACK x PACK patches (FluxPipeline's _pack_latents)
 T5_PARTS = ("text_encoder_2", "tokenizer_2")
 
 
@@ -113,6 +125,7 @@ class FluxFamily(ModelFamily):
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     methods = ()  # consistency's solver grid needs a static shift (methods/consistency.py); the others step VP time
     flow_matching = True
+    classifier_free_guidance = False  # FluxPipeline passes guidance_scale to the transformer (guidance_input)
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
     component_notes = dict.fromkeys(T5_PARTS, "T5, whose token states are Flux's whole text context: Flux has no "
                                               "T5-free mode; black-forest-labs/FLUX.1-dev has them")
@@ -158,7 +171,31 @@ class FluxFamily(ModelFamily):
         """(sigmas (n + 1,), timesteps (n,)) of ``FluxPipeline.__call__`` for a ``height`` x ``width`` latent:
         linspace(1, 1 / n, n) shifted by mu of its packed token count (the scheduler's ``set_timesteps``)."""
         return self.schedule.inference_sigmas(sigmas=flux_sigmas(num_inference_steps),
-                                              image_seq_len=image_seq_len(height, width, 2))
+                                              image_seq_len=image_seq_len(height, width, PACK))
+
+    def set_timesteps(self, scheduler, num_inference_steps: int, height: int, width: int,
+                      device: torch.device | str | None = None) -> None:
+        """As ``FluxPipeline.__call__`` sets any scheduler it is given: the sigmas linspace(1, 1 / n, n) (none for a
+        ``use_flow_sigmas`` scheduler) and mu of the packed token count from that scheduler's own config."""
+        config = scheduler.config
+        sigmas = None if config.get("use_flow_sigmas") else flux_sigmas(num_inference_steps)
+        mu = resolution_shift_mu(image_seq_len(height, width, PACK), config.get("base_image_seq_len", BASE_IMAGE_SEQ_LEN),
+                                 config.get("max_image_seq_len", MAX_IMAGE_SEQ_LEN),
+                                 config.get("base_shift", BASE_SHIFT), config.get("max_shift", MAX_SHIFT))
+        retrieve_timesteps(scheduler, num_inference_steps, device, sigmas=sigmas, mu=mu)
+
+    def latent_shape(self, network: nn.Module, n: int, height: int, width: int) -> tuple[int, ...]:
+        """(N, in_channels / 4, H, W): the transformer's input channels are those of a packed 2x2 patch."""
+        return (n, network.config.in_channels // PACK ** 2, height, width)
+
+    def call_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """``FluxPipeline``'s packed (N, H/2 * W/2, 4C) latents unpacked to (N, C, H, W)."""
+        return unpack_latents(latents, height, width)
+
+    def guidance_input(self, guidance_scale: torch.Tensor) -> dict:
+        """``{"guidance": (N,)}``: ``denoise_at`` embeds it where the transformer has FLUX.1-dev's guidance embedding
+        and drops it otherwise (FLUX.1-schnell)."""
+        return {"guidance": guidance_scale}
 
     def denoise(self, network: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
         """The transformer's velocity at (x (N, C, H, W), t) for flow time t in [0, 1] (a float or (N,)), its timestep
@@ -219,3 +256,8 @@ class FluxFamily(ModelFamily):
     def native_size(cls, pipe) -> int:
         """``FluxPipeline``'s default image side: ``default_sample_size`` latent pixels times the VAE's factor."""
         return pipe.default_sample_size * pipe.vae_scale_factor
+
+    @classmethod
+    def size_multiple(cls, pipe) -> int:
+        """The VAE's factor times the 2x2 packing (``FluxPipeline`` resizes other sizes down to it)."""
+        return pipe.vae_scale_factor * PACK

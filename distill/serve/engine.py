@@ -1,8 +1,11 @@
 """The generation engine behind ``distill.serve``: dynamic batching, pipelined stages and stream batching for
-any text-to-image pipeline of a registered model family (SD, SDXL, SD3: a teacher, or an LCM, progressive, MoE or
-compressed student, with or without a training-free accelerator). Every stage goes through the family
-(``distill.families``): the prompts through ``condition`` / ``null_condition``, stream mode's network calls through
-``denoise_at``, the latents through ``decode`` (with the VAE's ``shift_factor`` where it has one).
+any text-to-image pipeline of a registered model family (SD, SDXL, SD3, Flux: a teacher, or an LCM, progressive, MoE
+or compressed student, with or without a training-free accelerator). Every stage goes through the family
+(``distill.families``): the prompts through ``condition`` / ``null_condition``, the timesteps through
+``set_timesteps`` (Flux's resolution shift), stream mode's initial noise through ``latent_shape`` and its network
+calls through ``denoise_at`` (with ``guidance_input``: Flux's guidance embedding), a pipeline call's latents through
+``call_latents`` (Flux's unpacked), and the latents through ``decode`` (with the VAE's ``shift_factor`` where it has
+one).
 
 A request (a :class:`Job`: prompts, seeds, steps, guidance, size, scheduler) passes three stages, each a
 batch at a time: text encoding, denoising, VAE decoding (+ PNG encoding). ``mode`` chooses how:
@@ -224,7 +227,7 @@ class JobQueue:
 
 class Engine:
     """Serves generation requests on ``pipe``, a text-to-image pipeline of a registered model family (an export of
-    any distill method, or diffusers' own StableDiffusion, StableDiffusionXL or StableDiffusion3 pipeline).
+    any distill method, or diffusers' own StableDiffusion, StableDiffusionXL, StableDiffusion3 or Flux pipeline).
 
     ``max_batch_size``: images per batch (and per request); ``max_wait_ms``: how long a batch waits to fill;
     ``queue_size``: jobs held at once (waiting or in a stage) before :meth:`submit` raises :class:`QueueFull`;
@@ -289,7 +292,7 @@ class Engine:
         self.denoiser = denoiser_of(pipe)  # the family's network (the UNet of a UNet family)
         self.device = self.denoiser.device
         self.factor = pipe.vae_scale_factor  # pixels per latent
-        self.multiple = self.factor * getattr(pipe, "patch_size", 1)  # a transformer's latent patches: SD3's 2
+        self.multiple = self.family.size_multiple(pipe)  # the VAE factor x a transformer's patches (SD3, Flux: 2)
         self.native = native_size(pipe)
         self.own_scheduler = (type(pipe.scheduler), pipe.scheduler.config)
         if accelerator is not None:  # the default scheduler must work with it before anything is computed
@@ -323,8 +326,10 @@ class Engine:
 
     def needs_cfg(self, guidance_scale: float) -> bool:
         """Whether a call at this guidance runs classifier-free guidance (two network rows per image), as the
-        pipeline decides: guidance > 1, and the network neither takes guidance as an input nor distilled it."""
-        return (guidance_scale > 1 and self.denoiser.config.get("time_cond_proj_dim") is None
+        pipeline decides: guidance > 1, the family guides so (not Flux, whose network takes guidance as an input), and
+        the network neither takes guidance as an input nor distilled it."""
+        return (guidance_scale > 1 and self.family.classifier_free_guidance
+                and self.denoiser.config.get("time_cond_proj_dim") is None
                 and not getattr(self.pipe.config, "guidance_distilled", False))
 
     def check(self, prompts: list[str], steps: int | None, guidance_scale: float | None, height: int | None,
@@ -374,7 +379,7 @@ class Engine:
         key = (scheduler, steps)
         if key not in self._step_limits:
             try:
-                self.scheduler_for(scheduler).set_timesteps(steps, device="cpu")
+                self._set_timesteps(self.scheduler_for(scheduler), steps, self.native, self.native, "cpu")
                 self._step_limits[key] = None
             except Exception as err:  # noqa: BLE001 - the scheduler's own message names the limit
                 self._step_limits[key] = f"{scheduler or 'the pipeline scheduler'} refuses it ({err})"
@@ -400,9 +405,14 @@ class Engine:
         key = (scheduler, steps)
         if key not in self._calls:
             sched = self.scheduler_for(scheduler)
-            sched.set_timesteps(steps, device="cpu")
+            self._set_timesteps(sched, steps, self.native, self.native, "cpu")
             self._calls[key] = len(sched.timesteps)
         return self._calls[key]
+
+    def _set_timesteps(self, sched, steps: int, height: int, width: int, device) -> None:
+        """``sched``'s timesteps for ``steps`` at an image of ``height`` x ``width`` pixels, as the family's pipeline
+        sets them (Flux: sigmas shifted by the resolution's mu)."""
+        self.family.set_timesteps(sched, steps, height // self.factor, width // self.factor, device)
 
     def submit(self, job: Job) -> Future:
         """Queue ``job``; its future resolves to a :class:`Result`, or raises :class:`DeadlineExceeded` (or the
@@ -759,6 +769,7 @@ class Engine:
                        guidance_scale=first.guidance_scale, height=first.height, width=first.width,
                        generator=self._generators(jobs), output_type="latent", callback_on_step_end=progress,
                        callback_on_step_end_tensor_inputs=[]).images
+        latents = self.family.call_latents(latents, first.height // self.factor, first.width // self.factor)
         for job, part in zip(jobs, latents.split([j.n for j in jobs])):
             job.latents = part
 
@@ -806,12 +817,12 @@ class Engine:
             for value in job.embeds.values():
                 value.record_stream(torch.cuda.current_stream(self.device))
         job.sched = self.scheduler_for(job.scheduler)
-        job.sched.set_timesteps(job.steps, device=self.device)
+        self._set_timesteps(job.sched, job.steps, job.height, job.width, self.device)
         job.timesteps, job.index = job.sched.timesteps, 0
         job.calls = len(job.timesteps)
         gens = self._generators([job])
         c = self.denoiser.config
-        shape = (job.n, c.in_channels, job.height // self.factor, job.width // self.factor)
+        shape = self.family.latent_shape(self.denoiser, job.n, job.height // self.factor, job.width // self.factor)
         dtype = job.embeds["encoder_hidden_states"].dtype  # the prompt embeddings', as the pipeline's latents
         job.latents = randn_tensor(shape, generator=gens, device=self.device, dtype=dtype)
         job.latents = job.latents * getattr(job.sched, "init_noise_sigma", 1.0)  # a flow scheduler starts at 1
@@ -918,7 +929,7 @@ class Engine:
     def _stream_unet(self, jobs: list[Job]) -> list[torch.Tensor]:
         """The guided prediction of each job (of one image size) at its current step, in one network call (the
         family's ``denoise_at``, at the schedulers' own timesteps)."""
-        xs, ts, embeds, conds = [], [], [], []
+        xs, ts, embeds, conds, scales = [], [], [], [], []
         for job in jobs:
             t = job.timesteps[job.index]
             x = torch.cat([job.latents] * 2) if job.cfg else job.latents
@@ -927,11 +938,13 @@ class Engine:
             xs.append(x)
             ts.append(t.reshape(1).expand(len(x)))
             embeds.append(job.embeds)
+            scales.append(torch.full((len(x),), float(job.guidance_scale), device=self.device))
             if job.timestep_cond is not None:
                 conds.append(job.timestep_cond)
         dtypes = {t.dtype for t in ts}
         t_all = torch.cat([t.float() for t in ts]) if len(dtypes) > 1 else torch.cat(ts)
         extra = {"timestep_cond": torch.cat(conds)} if conds else {}
+        extra.update(self.family.guidance_input(torch.cat(scales)))  # Flux's guidance is a network input, per row
         out = self.family.denoise_at(self.denoiser, torch.cat(xs), t_all, concat_all(embeds), **extra)
         predictions = []
         for job, pred in zip(jobs, out.split([len(x) for x in xs])):
