@@ -67,7 +67,7 @@ from diffusers.models.upsampling import Upsample2D
 from torch import nn
 
 from distill.diffusion.losses import diffusion_loss
-from distill.diffusion.parametrization import prediction_target
+from distill.diffusion.schedules import DiscreteVPSchedule
 from distill.utils.flops import count_flops
 
 # DiffusionPipeline.from_pretrained looks the loadable base classes (ModelMixin) up in the namespace of the
@@ -226,16 +226,15 @@ def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timeste
     sum stops after the first one whose loss is below ``threshold`` times the largest loss so far (included).
     Returns the timesteps used and their losses."""
     batches = _batches(calib)
-    abar_all = noise_scheduler.alphas_cumprod
-    timesteps = sorted(int(t) for t in (range(len(abar_all)) if timesteps is None else timesteps))
-    if not timesteps or not 0 <= timesteps[0] <= timesteps[-1] < len(abar_all):
-        raise ValueError(f"student.timesteps={timesteps} must be a non-empty set of training timesteps in "
-                         f"[0, {len(abar_all)})")
+    schedule = DiscreteVPSchedule.from_scheduler(noise_scheduler)
+    T = schedule.num_train_timesteps
+    timesteps = sorted(int(t) for t in (range(T) if timesteps is None else timesteps))
+    if not timesteps or not 0 <= timesteps[0] <= timesteps[-1] < T:
+        raise ValueError(f"student.timesteps={timesteps} must be a non-empty set of training timesteps in [0, {T})")
     params = list(unet.parameters())
     frozen = [p for p in params if not p.requires_grad]  # a frozen teacher: gradients only for the scores
     for p in frozen:
         p.requires_grad_(True)
-    prediction_type = noise_scheduler.config.prediction_type
     device = next(unet.parameters()).device
     noises = [torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed + i)) for i, (x0, _) in
               enumerate(batches)]
@@ -247,11 +246,9 @@ def accumulate_taylor_gradients(unet: nn.Module, calib, noise_scheduler, timeste
             loss_t = 0.0
             for (x0, cond), eps in zip(batches, noises):
                 x0, cond, eps = x0.to(device), cond.to(device), eps.to(device)
-                abar = abar_all[t].to(device=device, dtype=x0.dtype)
-                alpha, sigma = abar.sqrt(), (1 - abar).sqrt()
-                x_t = alpha * x0 + sigma * eps
-                pred = unet(x_t, torch.full((x0.shape[0],), t, device=device), cond).sample
-                loss = diffusion_loss(pred, prediction_target(prediction_type, x0, eps, alpha, sigma)) / len(batches)
+                t_n = torch.full((x0.shape[0],), t, device=device)
+                pred = unet(schedule.add_noise(x0, eps, t_n), t_n, cond).sample
+                loss = diffusion_loss(pred, schedule.prediction_target(x0, eps, t_n)) / len(batches)
                 for g, dg in zip(grads, torch.autograd.grad(loss, params, allow_unused=True)):
                     if dg is not None:
                         g += dg
