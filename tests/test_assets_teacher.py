@@ -33,3 +33,37 @@ def test_copy_student_starts_as_the_teacher_and_can_checkpoint():
         expected = teacher(x, t, encoder_hidden_states=hidden).sample
         got = student.eval()(x, t, encoder_hidden_states=hidden, timestep_cond=torch.randn(2, 16)).sample
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)  # zero-initialised w projection
+
+
+def test_shipped_flow_teacher_samples_the_prompted_digits_through_the_stock_sd3_pipeline():
+    """The flow-matching teacher (+exp=flow_teacher) loads with diffusers' own StableDiffusion3Pipeline as its model
+    card says (distill.json "stock": T5 None, max_sequence_length), gives DistillSD3Pipeline's images, and draws the
+    prompted digits."""
+    import json
+
+    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    import distill.inference.pipelines  # noqa: F401  (registers DistillSD3Pipeline)
+
+    folder = asset_path("flow_teacher")
+    stock_entry = json.loads((folder / "distill.json").read_text())["stock"]
+    stock = StableDiffusion3Pipeline.from_pretrained(folder, **{name: None for name in stock_entry["load"]})
+    ours = DiffusionPipeline.from_pretrained(folder)
+    assert isinstance(stock.scheduler, FlowMatchEulerDiscreteScheduler) and type(ours).__name__ == "DistillSD3Pipeline"
+    labels = torch.arange(10).repeat(2)
+    prompts = [caption_for(int(i)) for i in labels]
+    images = []
+    for pipe, call in ((stock, stock_entry["call"]), (ours, {})):
+        pipe.set_progress_bar_config(disable=True)
+        images.append(pipe(prompts, num_inference_steps=10, guidance_scale=3.0, height=32, width=32,
+                           generator=torch.Generator().manual_seed(0), output_type="pt", **call).images)
+    assert images[0].shape == (20, 1, 32, 32) and torch.equal(images[0], images[1])
+    classifier = ImageClassifier.from_pretrained(asset_path("classifier")).eval()
+    assert prompted_digit_accuracy(images[0] * 2 - 1, labels, classifier) >= 0.9
+
+
+def test_the_shipped_assets_stay_within_25_mib():
+    from distill.worlds.digits import ASSET_ROOT
+
+    total = sum(f.stat().st_size for f in ASSET_ROOT.rglob("*") if f.is_file())
+    assert total <= 25 * 2**20, f"{total / 2**20:.1f} MiB"
