@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distill.diffusion.schedules import DiscreteVPSchedule
 from distill.methods import METHODS
 from distill.methods.base import DistillMethod, encode_latents
 
@@ -41,8 +42,8 @@ class NoisyClassifierTraining(DistillMethod):
         n = latents.shape[0]
         if timesteps is None:
             timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (n,), device=latents.device)
-        alphas = self.noise_scheduler.alphas_cumprod.to(latents.device)[timesteps].view(-1, 1, 1, 1)
-        noisy = alphas.sqrt() * latents + (1 - alphas).sqrt() * torch.randn_like(latents)
+        noisy = DiscreteVPSchedule.from_scheduler(self.noise_scheduler).add_noise(latents, torch.randn_like(latents),
+                                                                                  timesteps)
         return noisy, timesteps, torch.as_tensor(batch["label"], device=latents.device)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
