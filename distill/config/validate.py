@@ -99,7 +99,7 @@ def _check_teacher(cfg: DictConfig) -> None:
     loaded."""
     from pathlib import Path
 
-    from distill.families.base import check_method_serves, check_supported
+    from distill.families.base import FAMILIES, check_method_serves, check_supported
     from distill.methods import METHODS
     from distill.models.teacher import check_pipeline_folder, is_flow_matching, pipeline_configs
 
@@ -113,9 +113,12 @@ def _check_teacher(cfg: DictConfig) -> None:
     try:
         configs = pipeline_configs(path)
         check_method_serves(path, configs, METHODS.name_of(_part(cfg.method, "method")))
-        if is_flow_matching(configs["scheduler"]):  # runs where a family detects it (SD3's checks its folder)
+        found = [family for _, family in FAMILIES.items() if family.detect(configs)]
+        if len(found) == 1:  # the family's own check of its folder (components, prediction type)
+            found[0].check_components(path, configs)
+        elif is_flow_matching(configs["scheduler"]):
             check_supported(path, configs)
-        else:
+        else:  # no family recognises it: what a Stable-Diffusion-format folder lacks
             check_pipeline_folder(path)
     except (FileNotFoundError, ValueError) as err:
         raise ConfigError(str(err)) from err

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from distill.diffusion.parametrization import PREDICTION_TYPES
-from distill.families.base import FAMILIES, ModelFamily
+from distill.families.base import FAMILIES, TEACHER_KEY, ModelFamily
 from distill.inference.pipelines import DistillTextToImagePipeline
 from distill.models.conditioning import TextConditioner
 from distill.models.teacher import REQUIRED, Teacher, check_pipeline_folder, is_flow_matching
@@ -34,6 +34,12 @@ class StableDiffusionFamily(ModelFamily):
         return (all(k in pipeline for k in REQUIRED) and not any(k in pipeline for k in SDXL_SIGNS)
                 and unet.get("_class_name", "UNet2DConditionModel") == "UNet2DConditionModel"
                 and unet.get("addition_embed_type") is None and not is_flow_matching(configs["scheduler"]))
+
+    @classmethod
+    def check_components(cls, name_or_path, configs: dict[str, dict], key: str = TEACHER_KEY) -> None:
+        """A local folder has every component's folder and a supported prediction type (``check_pipeline_folder``)."""
+        if Path(name_or_path).exists():
+            check_pipeline_folder(name_or_path)
 
     @classmethod
     def load(cls, pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from distill.diffusion.parametrization import PREDICTION_TYPES
-from distill.families.base import FAMILIES, ModelFamily
+from distill.families.base import FAMILIES, TEACHER_KEY, ModelFamily
 from distill.inference.pipelines import DistillStableDiffusionXLPipeline
 from distill.models.conditioning import TextConditioner
 from distill.models.teacher import Teacher, check_pipeline_folder, is_flow_matching
@@ -122,6 +122,12 @@ class StableDiffusionXLFamily(ModelFamily):
         return (("text_encoder_2" in pipeline or unet.get("addition_embed_type") == "text_time")
                 and unet.get("_class_name", "UNet2DConditionModel") == "UNet2DConditionModel"
                 and not is_flow_matching(configs["scheduler"]))
+
+    @classmethod
+    def check_components(cls, name_or_path, configs: dict[str, dict], key: str = TEACHER_KEY) -> None:
+        """Both towers' folders and SD's (``check_pipeline_folder``), a supported prediction type."""
+        if Path(name_or_path).exists():
+            check_pipeline_folder(name_or_path)
 
     @classmethod
     def load(cls, pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,
