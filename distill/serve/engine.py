@@ -843,7 +843,8 @@ class Engine:
 
         Admission is first come, first served whatever a job's size, steps, guidance or scheduler: the oldest
         waiting job is admitted as soon as the active jobs leave room for its images, and no younger job
-        overtakes it, so it waits at most until enough of the active jobs finish (at most ``max_steps`` calls)."""
+        overtakes it, so it waits at most until enough of the active jobs finish (at most ``max_steps`` calls, twice
+        that for a second-order scheduler: docs/serving.md)."""
         active: list[Job] = []
         waiting: deque[Job] = deque()
         upstream_done = False
