@@ -67,3 +67,15 @@ def test_the_shipped_assets_stay_within_25_mib():
 
     total = sum(f.stat().st_size for f in ASSET_ROOT.rglob("*") if f.is_file())
     assert total <= 25 * 2**20, f"{total / 2**20:.1f} MiB"
+
+
+def test_the_flow_teacher_loads_with_the_context_it_samples_with():
+    """load_teacher keeps the export's own T5 token count (its default_max_sequence_length, 1), not
+    StableDiffusion3Pipeline's 256: a consistency run on the flow teacher distilled a teacher fed 255 zero tokens
+    it never saw (1-step student FID 67.7, prompt accuracy 55%) before this."""
+    from distill.families import load_teacher
+
+    teacher = load_teacher(str(asset_path("flow_teacher")))
+    assert teacher.family.conditioner.max_sequence_length == 1
+    states, _ = teacher.family.conditioner.encode(["a handwritten digit seven"])
+    assert states.shape == (1, 17, 128)

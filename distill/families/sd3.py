@@ -184,11 +184,15 @@ class StableDiffusion3Family(ModelFamily):
 
     @classmethod
     def load(cls, pretrained_model_name_or_path: str, revision: str | None = None, variant: str | None = None,
-             torch_dtype: str | None = None, max_sequence_length: int = SD3_MAX_SEQUENCE_LENGTH) -> Teacher:
+             torch_dtype: str | None = None, max_sequence_length: int | None = None) -> Teacher:
         """``StableDiffusion3Pipeline.from_pretrained`` after ``check_components``, T5 None where the pipeline has
-        none (its model_index.json lacks ``text_encoder_3`` or records it as null), every network frozen."""
+        none (its model_index.json lacks ``text_encoder_3`` or records it as null), every network frozen.
+        ``max_sequence_length`` (the T5 tokens of the teacher's context): default the one the pipeline samples with,
+        its registered ``default_max_sequence_length`` (a distill export) or ``StableDiffusion3Pipeline``'s 256."""
         dtype = getattr(torch, torch_dtype) if torch_dtype else None
         index = pipeline_configs(pretrained_model_name_or_path, revision)["pipeline"]
+        if max_sequence_length is None:
+            max_sequence_length = index.get("default_max_sequence_length", SD3_MAX_SEQUENCE_LENGTH)
         absent = {name: None for name in T5_PARTS if (index.get(name) or [None])[0] is None}
         cls.check_components(pretrained_model_name_or_path, {"pipeline": index})
         pipe = StableDiffusion3Pipeline.from_pretrained(pretrained_model_name_or_path, revision=revision,
