@@ -174,6 +174,24 @@ def test_a_registered_accelerator_is_an_option_of_the_accelerate_group():
     assert without.returncode == 1 and "Could not find 'accelerate/reuse'" in without.stderr
 
 
+def test_a_part_registered_after_the_schemas_were_made_is_an_option_too():
+    """A module that registers a student and a method after ``distill.config.schema`` was imported (a test module
+    collected after one that imports the commands; a notebook that imports its own file late): ``register_configs``
+    makes their schemas then, so ``student=<name>`` and ``method=<name>`` compose (they were missing: Hydra answered
+    "Could not find 'student/tiny_generator'")."""
+    code = ("import sys\nfrom hydra import compose, initialize_config_dir\n"
+            "from distill.config.schema import CONF, STUDENT_SCHEMAS, register_configs\n"
+            "assert 'tiny_generator' not in STUDENT_SCHEMAS\n"
+            "import tests.examples.two_optimizer_method\nregister_configs()\n"
+            "with initialize_config_dir(config_dir=str(CONF), version_base='1.3'):\n"
+            "    cfg = compose(config_name='train', overrides=sys.argv[1:])\n"
+            "print('composed:', cfg.student._target_, cfg.method._target_)\n")
+    proc = run(["-c", code, "method=two_optimizer", "student=tiny_generator", "teacher=none"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("composed: tests.examples.two_optimizer_method.tiny_generator "
+            "tests.examples.two_optimizer_method.TwoOptimizerMethod") in proc.stdout
+
+
 def test_a_plugin_that_cannot_be_imported_is_named(monkeypatch, tmp_path):
     from distill.utils import registry
 

@@ -145,16 +145,21 @@ def builds(name: str, target: str, *, exclude: Iterable[str] = (), choices: dict
 
 
 def registered(registry, suffix: str, *, passed: Iterable[str] = (), partial_if: str | None = None,
-               kwargs_of: str | None = None, module: str | None = None) -> dict[str, type]:
+               kwargs_of: str | None = None, module: str | None = None,
+               only: Iterable[str] | None = None) -> dict[str, type]:
     """A schema per part of ``registry`` (a ``distill.utils.registry.Registry``): option name -> ``builds`` of the
     part, named ``<Name><suffix>`` (``consistency`` -> ``ConsistencyMethodConfig``) and set on ``module`` (the caller's)
     so that configs pickle. ``passed`` names the arguments the caller passes at run time, excluded where the part
     takes them; a part that takes ``partial_if`` is a partial (a student made from the teacher's network).
     ``kwargs_of`` is the default callable that a part's ``**kwargs`` goes to. The part's registration may give ``choices``
-    (argument -> its fixed values), ``kwargs_of`` and ``convert`` (``@STUDENTS.register("clip", kwargs_of=...)``)."""
+    (argument -> its fixed values), ``kwargs_of`` and ``convert`` (``@STUDENTS.register("clip", kwargs_of=...)``).
+    ``only``: these names alone (the parts registered since the first call)."""
     module = module or sys._getframe(1).f_globals["__name__"]
+    only = None if only is None else set(only)
     schemas = {}
     for name, part in registry.items():
+        if only is not None and name not in only:
+            continue
         meta = registry.meta(name)
         schema_name = f"{_camel(name)}{suffix}"
         takes = inspect.signature(part).parameters

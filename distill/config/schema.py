@@ -43,8 +43,8 @@ globals().update({schema.__name__: schema for schema in WORLD_DATA_CONFIGS.value
 # builds first: the student, the teacher, the sampling scheduler's settings; a method's ``**speed`` goes to
 # DistillMethod (the training-speed switches every method takes).
 
-METHOD_SCHEMAS = registered(METHODS, "MethodConfig", passed=("student", "sampling", "teacher"),
-                            kwargs_of="distill.methods.base.DistillMethod")
+METHOD_OPTIONS = dict(passed=("student", "sampling", "teacher"), kwargs_of="distill.methods.base.DistillMethod")
+METHOD_SCHEMAS = registered(METHODS, "MethodConfig", **METHOD_OPTIONS)
 
 # ---------------------------------------------------------------- teacher
 
@@ -54,8 +54,8 @@ TeacherConfig = builds("TeacherConfig", "distill.families.load_teacher")
 # A schema per registered student builder (distill.students.STUDENTS), ``student=<name>``. A builder made
 # from the teacher is a partial: the method calls it on the teacher's UNet (and noise schedule, or the teacher).
 
-STUDENT_SCHEMAS = registered(STUDENTS, "StudentConfig", passed=("teacher_unet", "noise_scheduler", "teacher"),
-                             partial_if="teacher_unet")
+STUDENT_OPTIONS = dict(passed=("teacher_unet", "noise_scheduler", "teacher"), partial_if="teacher_unet")
+STUDENT_SCHEMAS = registered(STUDENTS, "StudentConfig", **STUDENT_OPTIONS)
 
 # ---------------------------------------------------------------- sampling scheduler
 
@@ -299,7 +299,12 @@ def register_configs() -> None:
         for name, node in nodes.items():
             cs.store(group=group, name=f"base_{name}", node=node)
     # a registered method, student or accelerator without an option file of its own (a plugin's) is an option as
-    # it is (an accelerator with its defaults: accelerate=<kind>)
+    # it is (an accelerator with its defaults: accelerate=<kind>); a part registered after this module was imported
+    # (a module imported later in the process) gets its schema now
+    for schemas, registry, suffix, options in ((METHOD_SCHEMAS, METHODS, "MethodConfig", METHOD_OPTIONS),
+                                               (STUDENT_SCHEMAS, STUDENTS, "StudentConfig", STUDENT_OPTIONS)):
+        schemas.update(registered(registry, suffix, only=set(registry.names()) - set(schemas), module=__name__,
+                                  **options))
     accelerators = {kind.value: AccelerateConfig(kind=kind) for kind in AcceleratorKind}
     for group, nodes in (("method", METHOD_SCHEMAS), ("student", STUDENT_SCHEMAS), ("accelerate", accelerators)):
         for name, node in nodes.items():
