@@ -41,7 +41,11 @@ def test_shipped_flow_teacher_samples_the_prompted_digits_through_the_stock_sd3_
     prompted digits."""
     import json
 
-    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from diffusers import (
+        DiffusionPipeline,
+        FlowMatchEulerDiscreteScheduler,
+        StableDiffusion3Pipeline,
+    )
 
     import distill.inference.pipelines  # noqa: F401  (registers DistillSD3Pipeline)
 

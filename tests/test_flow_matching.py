@@ -10,7 +10,10 @@ import functools
 import pytest
 import torch
 from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
-from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+from diffusers.training_utils import (
+    compute_density_for_timestep_sampling,
+    compute_loss_weighting_for_sd3,
+)
 from omegaconf import OmegaConf
 
 from distill.families.sd3 import SD3Conditioner
