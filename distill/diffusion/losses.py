@@ -24,7 +24,8 @@ def snr_weight(
     ``edm``: Karras et al. 2022, table 1, an x0-MSE weighted by ``edm_loss_weight`` at the VE noise level
     sigma = SNR^(-1/2) (x_t / alpha_t = x0 + sigma eps), with the data std ``sigma_data``.
     All are expressed in x0-MSE units (w_x0) and converted to the network's target:
-    MSE_eps = SNR * MSE_x0 and MSE_v = (SNR + 1) * MSE_x0.
+    MSE_eps = SNR * MSE_x0 and MSE_v = (SNR + 1) * MSE_x0; for a flow velocity v = eps - x0 on x_t = (1 - t) x0 +
+    t eps (``flow_prediction``), x0 = x_t - t v, so MSE_x0 = t^2 MSE_flow with t = 1 / (1 + sqrt(SNR)).
     """
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting={weighting!r} is not supported; use one of {WEIGHTINGS}")
@@ -42,6 +43,8 @@ def snr_weight(
         return w_x0 / snr_t
     if prediction_type == "v_prediction":
         return w_x0 / (snr_t + 1.0)
+    if prediction_type == "flow_prediction":
+        return w_x0 / (1.0 + snr_t.sqrt()) ** 2
     return w_x0
 
 

@@ -134,6 +134,10 @@ class DiscreteVPSchedule(NoiseSchedule):
 
     # ------------------------------------------------------------------ noise level sigma (the VE view)
 
+    def noise_level(self, t: torch.Tensor) -> torch.Tensor:
+        """The VE noise level sigma(t) / alpha(t) at integer timesteps t < T (what the time samplers bin by)."""
+        return self.ve_sigmas[t]
+
     def timestep_at(self, sigma: torch.Tensor) -> torch.Tensor:
         """The continuous timestep (float64) at VE noise level ``sigma`` (``vp_timestep``)."""
         return vp_timestep(sigma, self.ve_sigmas)
@@ -206,6 +210,12 @@ class FlowMatchingSchedule(NoiseSchedule):
                              "timestep(t) = t * num_train_timesteps)")
         t = _expand(t, ndim)
         return 1.0 - t, t
+
+    def noise_level(self, t: torch.Tensor) -> torch.Tensor:
+        """The noise level t / (1 - t) of x_t / (1 - t) = x0 + t / (1 - t) eps (what the time samplers bin by); at
+        t = 1 (infinite) the level of the training table's last point below it, t = 1 - 1 / T."""
+        t = t.double().clamp(max=1.0 - 1.0 / self.num_train_timesteps)
+        return t / (1.0 - t)
 
     def timestep(self, t: torch.Tensor) -> torch.Tensor:
         """The network's time input at t (``flow.flow_timestep``)."""

@@ -13,7 +13,8 @@ instance is bound to one model's frozen parts: its noise scheduler (``schedule``
   where its config has one, ``shift_factor``;
 - ``denoise(network, x, t, cond, **extra)``: the one call every method makes of a teacher or student network
   of the family (the student has the teacher's signature);
-- export: ``pipeline(network, scheduler, **call_defaults)`` of ``pipeline_class``, ``default_scheduler()``;
+- export: ``pipeline(network, scheduler, **call_defaults)`` of ``pipeline_class``, ``default_scheduler()``, and
+  ``lora_weights(network)``, a LoRA student's adapters as ``pipeline_class.save_lora_weights``' arguments;
 - pipelines: ``denoiser_of(pipe)`` and ``set_denoiser(pipe, network)``, through the pipeline component named
   ``denoiser_component``; ``from_pipeline(pipe)``, an instance on an in-memory pipeline's parts (its
   ``conditioner_of``), for pipeline-level code (classifier guidance, the server), which also calls
@@ -30,6 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -265,6 +267,28 @@ class ModelFamily:
         ``scheduler``, whose call defaults are ``call_defaults``; progress bar off."""
         raise NotImplementedError
 
+    @classmethod
+    def lora_weights(cls, network: nn.Module) -> dict:
+        """``network``'s one peft LoRA adapter as the keyword arguments of ``pipeline_class.save_lora_weights``, so that
+        the stock pipeline's ``load_lora_weights`` reads it back whole: peft's state dict, keys unconverted, under
+        ``<denoiser_component>_lora_layers`` (``unet_lora_layers``, ``transformer_lora_layers``) and its ``LoraConfig``
+        under ``<denoiser_component>_lora_adapter_metadata``, from which the loader rebuilds every targeted module at
+        its rank and alpha (diffusers' older lora.down/up names cover only attention and carry no alpha)."""
+        import inspect
+
+        from peft.utils import get_peft_model_state_dict
+
+        (adapter,) = network.peft_config
+        component = cls._denoiser_component()
+        layers, metadata = f"{component}_lora_layers", f"{component}_lora_adapter_metadata"
+        takes = inspect.signature(getattr(cls.pipeline_class, "save_lora_weights", lambda: None)).parameters
+        if not {layers, metadata} <= set(takes):
+            raise ValueError(f"{getattr(cls.pipeline_class, '__name__', None)}.save_lora_weights takes no {layers} and "
+                             f"{metadata}: a LoRA student of the {cls.__name__} cannot be saved for its pipeline's "
+                             "load_lora_weights; use student=copy")
+        return {layers: get_peft_model_state_dict(network, adapter_name=adapter),
+                metadata: network.peft_config[adapter].to_dict()}
+
     def default_scheduler(self):
         """The scheduler an export samples with when its method names none: the model's own noise scheduler."""
         return type(self.scheduler).from_config(self.scheduler_config)
@@ -309,15 +333,31 @@ class TransformerCallDefaults:
     """Mixed in before a stock pipeline class whose call takes T5's ``max_sequence_length`` (SD3's, Flux's): its call
     falls back to the registered ``default_num_inference_steps``, ``default_guidance_scale`` and
     ``default_max_sequence_length`` of the export's config (what ``model_index.json`` carries), not to the stock
-    class's own defaults."""
+    class's own defaults. With ``sigma_spacing="trailing"`` registered (a student trained on the grid t_i =
+    shift(i / N): progressive distillation on a flow teacher) a call without ``sigmas`` or ``timesteps`` passes the
+    unshifted sigmas linspace(1, 1 / N, N) (``trailing_sigmas``), as FluxPipeline does, instead of the scheduler's
+    own N points from 1 to its smallest training sigma."""
 
     @torch.no_grad()
     def __call__(self, prompt=None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
                  max_sequence_length: int | None = None, **kwargs):
+        steps = num_inference_steps or self.config.default_num_inference_steps
+        if self.config.get("sigma_spacing") == "trailing" and kwargs.get("sigmas") is None \
+                and kwargs.get("timesteps") is None:
+            kwargs["sigmas"] = trailing_sigmas(steps)
         return super().__call__(
-            prompt, num_inference_steps=num_inference_steps or self.config.default_num_inference_steps,
+            prompt, num_inference_steps=steps,
             guidance_scale=self.config.default_guidance_scale if guidance_scale is None else guidance_scale,
             max_sequence_length=max_sequence_length or self.config.default_max_sequence_length, **kwargs)
+
+
+SIGMA_SPACINGS = ("scheduler", "trailing")
+
+
+def trailing_sigmas(num_inference_steps: int) -> list[float]:
+    """The unshifted sigmas of an N-step grid ending at 0, linspace(1, 1 / N, N), as the float32 values the flow
+    scheduler's ``set_timesteps(sigmas=...)`` takes them (what a stock pipeline call passes as ``sigmas``)."""
+    return [float(s) for s in np.linspace(1.0, 1.0 / num_inference_steps, num_inference_steps).astype(np.float32)]
 
 
 # ---------------------------------------------------------------------- lookups

@@ -20,7 +20,13 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from torch import nn
 
-from distill.families.base import FAMILIES, ModelFamily, TransformerCallDefaults
+from distill.families.base import (
+    FAMILIES,
+    SIGMA_SPACINGS,
+    ModelFamily,
+    TransformerCallDefaults,
+    trailing_sigmas,
+)
 from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
 
 SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length: T5 tokens (zeros without T5)
@@ -136,7 +142,9 @@ class SD3Conditioner(nn.Module):
 class DistillSD3Pipeline(TransformerCallDefaults, StableDiffusion3Pipeline):
     """A ``StableDiffusion3Pipeline`` whose call defaults are the exported model's: ``default_num_inference_steps``,
     ``default_guidance_scale``, ``default_max_sequence_length`` (the T5 tokens, zeros without T5) and
-    ``guidance_distilled`` (no CFG pass is run; ``guidance_scale`` has no effect), registered in its config so that
+    ``guidance_distilled`` (no CFG pass is run; ``guidance_scale`` has no effect) and ``sigma_spacing`` ("trailing":
+    the sigmas linspace(1, 1 / N, N) a progressive student learned; ``TransformerCallDefaults``), registered in its
+    config so that
     ``model_index.json`` carries them. T5 (``text_encoder_3``, ``tokenizer_3``) is optional here, so that
     ``DiffusionPipeline.from_pretrained(export)`` loads an export saved without it."""
 
@@ -146,13 +154,16 @@ class DistillSD3Pipeline(TransformerCallDefaults, StableDiffusion3Pipeline):
                  text_encoder_3=None, tokenizer_3=None, image_encoder=None, feature_extractor=None,
                  default_num_inference_steps: int = SD3_NUM_INFERENCE_STEPS,
                  default_guidance_scale: float = SD3_GUIDANCE_SCALE,
-                 default_max_sequence_length: int = SD3_MAX_SEQUENCE_LENGTH, guidance_distilled: bool = False):
+                 default_max_sequence_length: int = SD3_MAX_SEQUENCE_LENGTH, guidance_distilled: bool = False,
+                 sigma_spacing: str = "scheduler"):
         super().__init__(transformer, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2,
                          text_encoder_3, tokenizer_3, image_encoder, feature_extractor)
+        if sigma_spacing not in SIGMA_SPACINGS:
+            raise ValueError(f"sigma_spacing={sigma_spacing!r}; use one of {list(SIGMA_SPACINGS)}")
         self.register_to_config(default_num_inference_steps=default_num_inference_steps,
                                 default_guidance_scale=default_guidance_scale,
                                 default_max_sequence_length=default_max_sequence_length,
-                                guidance_distilled=guidance_distilled)
+                                guidance_distilled=guidance_distilled, sigma_spacing=sigma_spacing)
 
     @property
     def do_classifier_free_guidance(self) -> bool:
@@ -172,7 +183,7 @@ class StableDiffusion3Family(ModelFamily):
     pipeline_class = DistillSD3Pipeline
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
-    methods = ("consistency",)  # the others step the discrete VP schedule at integer timesteps
+    methods = ("consistency", "progressive")  # the others step the discrete VP schedule at integer timesteps
     flow_matching = True
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 
@@ -212,12 +223,33 @@ class StableDiffusion3Family(ModelFamily):
                               pipe.transformer.config.joint_attention_dim, pipe.text_encoder_3, pipe.tokenizer_3,
                               max_sequence_length, cache=cache_prompts)
 
+    sigma_spacing = "scheduler"  # "trailing": a pipeline's registered sigma_spacing (``from_pipeline``)
+
+    @classmethod
+    def from_pipeline(cls, pipe, cache_prompts: bool = True) -> StableDiffusion3Family:
+        """As ``ModelFamily.from_pipeline``, keeping the pipeline's registered ``sigma_spacing`` for ``set_timesteps``
+        (the server steps the scheduler itself)."""
+        family = super().from_pipeline(pipe, cache_prompts)
+        family.sigma_spacing = pipe.config.get("sigma_spacing") or "scheduler"
+        return family
+
     def copy(self, cache_prompts: bool = True) -> StableDiffusion3Family:
         """A new instance on the same frozen parts with its own prompt cache."""
         c = self.conditioner
         conditioner = SD3Conditioner(c.text_encoder, c.tokenizer, c.text_encoder_2, c.tokenizer_2, c.joint_dim,
                                      c.text_encoder_3, c.tokenizer_3, c.max_sequence_length, cache=cache_prompts)
-        return type(self)(self.scheduler, self.vae, conditioner)
+        family = type(self)(self.scheduler, self.vae, conditioner)
+        family.sigma_spacing = self.sigma_spacing
+        return family
+
+    def set_timesteps(self, scheduler, num_inference_steps: int, height: int, width: int,
+                      device: torch.device | str | None = None) -> None:
+        """As ``DistillSD3Pipeline``'s call sets them: the scheduler's own N steps, or with ``sigma_spacing``
+        "trailing" the sigmas linspace(1, 1 / N, N)."""
+        if self.sigma_spacing == "trailing":
+            scheduler.set_timesteps(sigmas=trailing_sigmas(num_inference_steps), device=device)
+        else:
+            scheduler.set_timesteps(num_inference_steps, device=device)
 
     def denoise(self, network: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
         """The transformer's velocity at (x, t) for flow time t in [0, 1] (a float or (N,)), its timestep input

@@ -67,7 +67,8 @@ def _example(info: dict) -> str:
 def stock_extras(folder: Path, pipeline: str) -> dict:
     """What diffusers' stock class needs beyond the step count and the guidance to sample the folder as its distill
     class does: ``call``, the registered defaults of other call arguments (``default_max_sequence_length``: the T5
-    tokens, zeros without T5, which change the transformer's context), and ``load``, the components the folder
+    tokens, zeros without T5, which change the transformer's context; the ``sigmas`` of ``sigma_spacing``
+    "trailing"), and ``load``, the components the folder
     saved as null that the stock class does not list as optional (``from_pretrained(..., name=None)``)."""
     import diffusers
 
@@ -77,6 +78,10 @@ def stock_extras(folder: Path, pipeline: str) -> dict:
     cls = getattr(diffusers, pipeline)
     stock = next(c for c in cls.__mro__ if c.__module__.startswith("diffusers."))
     call = {name[len("default_"):]: index[name] for name in ("default_max_sequence_length",) if name in index}
+    if index.get("sigma_spacing") == "trailing":  # the grid the student learned, which the stock call must be given
+        from distill.families.base import trailing_sigmas
+
+        call["sigmas"] = trailing_sigmas(index["default_num_inference_steps"])
     load = [name for name, spec in index.items() if isinstance(spec, list) and spec == [None, None]
             and name not in stock._optional_components]
     return {"call": call, "load": load}

@@ -1,4 +1,5 @@
-"""Progressive distillation (Salimans & Ho 2022, Algorithm 2) in latent space, for any SD-format teacher.
+"""Progressive distillation (Salimans & Ho 2022, Algorithm 2) in latent space, on a discrete VP teacher (DDIM
+steps) or a flow-matching one (SD3: Euler steps of the flow ODE).
 
 Round r trains a student to do in one DDIM step what the current teacher does in two; then the
 student becomes the teacher and the step count halves. Classifier-free guidance follows Meng et al.
@@ -11,6 +12,15 @@ student becomes the teacher and the step count halves. Classifier-free guidance 
   match the guided teacher's prediction at the teacher's own step count, with the scale drawn from
   [guidance_scale_min, guidance_scale_max] per sample; the rounds then halve steps with w as an input.
   The exported pipelines take ``guidance_scale`` at sampling time and still run one evaluation per step.
+
+On a flow-matching teacher (``FlowMatchingSchedule``: x_t = (1 - t) x0 + t eps, velocity v = eps - x0) the same
+algorithm runs unchanged in (x0, eps): a flow Euler step x_t + (t' - t) v is exactly the DDIM step of the straight
+path, (1 - t') x0 + t' eps, so two teacher Euler steps, the student's x-target and its SNR weighting are the VP
+ones with alpha = 1 - t, sigma = t. Only the grid differs: the N-step student grid is t_i = shift(i / N), i = 0..N
+(the scheduler's static shift; i = N is pure noise), whose points the 2N-step teacher grid contains. The student
+predicts the velocity (``flow_prediction``, what ``FlowMatchEulerDiscreteScheduler`` steps) and is sampled on that
+grid by the stock Euler scheduler given the unshifted sigmas linspace(1, 1/N, N) (as FluxPipeline passes them;
+the export's ``sigma_spacing="trailing"``).
 """
 
 from __future__ import annotations
@@ -22,7 +32,15 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
-from distill.diffusion import cfg, ddim_step, diffusion_loss, guidance_condition, snr_weight
+from distill.diffusion import (
+    FlowMatchingSchedule,
+    cfg,
+    ddim_step,
+    diffusion_loss,
+    guidance_condition,
+    snr_weight,
+)
+from distill.diffusion.flow import FLOW_PREDICTION_TYPES
 from distill.diffusion.losses import WEIGHTINGS
 from distill.diffusion.parametrization import PREDICTION_TYPES
 from distill.diffusion.progressive import progressive_x_target, round_schedule
@@ -32,8 +50,12 @@ from distill.methods.checks import check_guidance_range, is_sharded
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
+STUDENT_PREDICTION_TYPES = tuple(dict.fromkeys((*PREDICTION_TYPES, *FLOW_PREDICTION_TYPES)))
+VP_STUDENT_PREDICTION, FLOW_STUDENT_PREDICTION = "v_prediction", "flow_prediction"  # None: the teacher's kind's
 
-@METHODS.register("progressive", choices={"student_prediction_type": PREDICTION_TYPES, "loss_weighting": WEIGHTINGS})
+
+@METHODS.register("progressive", choices={"student_prediction_type": STUDENT_PREDICTION_TYPES,
+                                          "loss_weighting": WEIGHTINGS})
 class ProgressiveDistillation(TeacherStudentDistillation):
     method_name = "progressive"
 
@@ -47,7 +69,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         final_steps: int = 4,
         steps_per_round: int = 300,
         guidance_scale: float = 3.0,  # CFG of the first teacher, distilled into the students (w fixed)
-        student_prediction_type: str = "v_prediction",
+        student_prediction_type: str | None = None,  # v_prediction on a VP teacher, flow_prediction on a flow one
         loss_weighting: str = "truncated_snr",  # max(SNR, 1) on the x-error (the paper's default)
         guided_stage_steps: int = 0,  # > 0: Meng et al. stage 1, a w-conditioned student first (time_cond_proj_dim)
         guidance_scale_min: float = 2.0,  # range of the CFG scale a w-conditioned student learns
@@ -66,6 +88,13 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         self.rounds = rounds
         self.start_steps, self.steps_per_round = start_steps, steps_per_round
         self.teacher_prediction_type = self.family.prediction_type
+        self.flow = isinstance(self.schedule, FlowMatchingSchedule)
+        student_prediction_type = check_student_prediction(student_prediction_type, self.flow, self.teacher_source)
+        if self.flow and self.schedule.use_dynamic_shifting:
+            raise ValueError(f"method=progressive on {self.teacher_source!r}: its scheduler shifts the sigmas by the "
+                             "image's resolution (use_dynamic_shifting, as Flux's); the student grid is built from a "
+                             "static shift (SD3's). Set use_dynamic_shifting=false with a fixed shift in the teacher's "
+                             "scheduler_config.json, or distil an SD3 teacher")
         self.student_prediction_type, self.loss_weighting = student_prediction_type, loss_weighting
         if self.noise.preconditioning == "edm":  # the EDM-wrapped student predicts what the student is trained to
             self.student.register_to_config(edm_prediction_type=student_prediction_type)
@@ -80,7 +109,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         # round -1 is the guided stage: the original teacher, distilled at its own step count into a w-conditioned student
         self.first_round = -1 if guided_stage_steps > 0 else 0
         default_w = guidance_scale if self.w_conditioned else 1.0
-        self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": default_w})
+        self.sampling = dict(sampling or {"name": "flow_euler" if self.flow else "ddim", "guidance_scale": default_w})
         self.num_train_timesteps = self.schedule.num_train_timesteps
         self.round_index = self.first_round
 
@@ -143,8 +172,11 @@ class ProgressiveDistillation(TeacherStudentDistillation):
     # ------------------------------------------------------------------ objective
 
     def _times(self, i: torch.Tensor, steps: int) -> torch.Tensor:
-        """Timestep of grid point i on an ``steps``-step DDIM grid; i = 0 is the clean end (index T). The
-        exported GridDDIMScheduler samples on the same grid."""
+        """Time of grid point i on a ``steps``-step grid; i = 0 is the clean end. VP: the DDIM grid's integer
+        timestep (index T: the clean sample), as the exported GridDDIMScheduler samples. Flow: t = shift(i / steps),
+        as FlowMatchEulerDiscreteScheduler shifts the sigmas linspace(1, 1 / N, N) and ends at 0."""
+        if self.flow:
+            return self.schedule.shift_times(i.double() / steps).float()
         return grid_timesteps(i, steps, self.num_train_timesteps)
 
     def _scales(self, n: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -158,7 +190,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
     def _teacher_x0_eps(self, x, t, cond, uncond, scale, w_kwargs):
         """The current teacher's (x0, eps) at (x, t): the original teacher with CFG at ``scale`` in the
         first round (or guided stage), later the previous student (w as an input when w-conditioned)."""
-        tt = t.clamp(max=self.num_train_timesteps - 1)
+        tt = t if self.flow else t.clamp(max=self.num_train_timesteps - 1)  # VP: index T is the clean end
         original = self.round_index == self.first_round
         if original and bool((scale != 1.0).any()):
             out = cfg(*self.teacher_cond_uncond(x, tt, cond, uncond), scale.to(x))
@@ -170,22 +202,17 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         x0, eps = self._teacher_x0_eps(x, t, cond, uncond, scale, w_kwargs)
         return ddim_step(x0, eps, *self.schedule.alpha_sigma(t_next, x.ndim))
 
-    def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
-        batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
-        x0 = self.latents(batch, generator)
-        n, steps = x0.shape[0], self.student_steps
-        cond, uncond = self.text_conditions(batch, n, x0.device)
-        scale = self.paired(self._scales(n, generator)).to(x0.device)
-        w_kwargs = guidance_condition(scale - 1.0, self.w_dim, x0)  # pipelines embed w = scale - 1
-        # bins 0..steps-1 = student grid points i = 1..steps (ascending noise: i = 0 is the clean end)
-        grid = self._times(torch.arange(1, steps + 1, device=self.schedule.ve_sigmas.device), steps)
-        bins, iw = self.draw_time_bins(n, self.schedule.ve_sigmas[grid], generator, stage=self.round_index)
-        i = (bins + 1).to(x0.device)
+    def student_target(self, x0, eps, i, cond, uncond, scale, w_kwargs):
+        """(x_t, t, target) at student grid points ``i`` (1..N): x_t noised from (x0, eps) at t_i, and what the
+        student's ``student_prediction_type`` output should be there: the prediction whose one step t_i -> t_{i-1}
+        lands where two steps of the current teacher land (Salimans & Ho 2022, Algorithm 2); in the guided stage,
+        the guided teacher's own prediction. On a flow teacher the flow_prediction target is the velocity of the
+        straight line from x_t to the teacher's landing point, (x_end - x_t) / (t_{i-1} - t_i)."""
+        steps = self.student_steps
         if self.round_index < 0:  # guided stage: the student's prediction matches the guided teacher's
             t = self._times(i, steps)
         else:  # student step i -> i - 1 on its grid = teacher steps 2i -> 2i - 1 -> 2i - 2
             t, t_mid, t_end = self._times(2 * i, 2 * steps), self._times(2 * i - 1, 2 * steps), self._times(2 * i - 2, 2 * steps)
-        eps = self.draw_noise(x0, generator)
         a_t, s_t = self.schedule.alpha_sigma(t, x0.ndim)
         x_t = self.schedule.add_noise(x0, eps, t)
         if self.round_index < 0:
@@ -196,7 +223,21 @@ class ProgressiveDistillation(TeacherStudentDistillation):
             a_e, s_e = self.schedule.alpha_sigma(t_end, x0.ndim)
             x_target = progressive_x_target(x_t, x_end, a_t, s_t, a_e, s_e)
             eps_target = (x_t - a_t * x_target) / s_t
-        target = self.schedule.prediction_target(x_target, eps_target, t, self.student_prediction_type)
+        return x_t, t, self.schedule.prediction_target(x_target, eps_target, t, self.student_prediction_type)
+
+    def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
+        x0 = self.latents(batch, generator)
+        n, steps = x0.shape[0], self.student_steps
+        cond, uncond = self.text_conditions(batch, n, x0.device)
+        scale = self.paired(self._scales(n, generator)).to(x0.device)
+        w_kwargs = guidance_condition(scale - 1.0, self.w_dim, x0)  # pipelines embed w = scale - 1
+        # bins 0..steps-1 = student grid points i = 1..steps (ascending noise: i = 0 is the clean end)
+        grid = self._times(torch.arange(1, steps + 1, device=x0.device), steps)
+        bins, iw = self.draw_time_bins(n, self.schedule.noise_level(grid), generator, stage=self.round_index)
+        i = (bins + 1).to(x0.device)
+        eps = self.draw_noise(x0, generator)
+        x_t, t, target = self.student_target(x0, eps, i, cond, uncond, scale, w_kwargs)
         pred = self.family.denoise(self.student, x_t, t, cond, **w_kwargs)
         weight = snr_weight(self.schedule.snr(t), self.student_prediction_type, self.loss_weighting)
         per_example = diffusion_loss(pred, target, weight, reduce=False)
@@ -221,6 +262,8 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         from distill.inference.schedulers import GridDDIMScheduler, make_scheduler
 
         name = name or self.sampling["name"]
+        if self.flow:  # the student's velocity, stepped on the grid it learned (the pipeline's trailing sigmas)
+            return make_scheduler(name, self.noise_scheduler_config)
         if name == "ddim":
             return GridDDIMScheduler.from_config(self.noise_scheduler_config, prediction_type=self.student_prediction_type)
         return make_scheduler(name, self.noise_scheduler_config, prediction_type=self.student_prediction_type,
@@ -232,8 +275,16 @@ class ProgressiveDistillation(TeacherStudentDistillation):
                     f"{self.guidance_scale_max}]")
         return f"the first teacher's classifier-free guidance at scale {self.hparams.guidance_scale}"
 
+    def call_defaults(self) -> dict:
+        """The intended call; a flow student samples on the trailing sigmas linspace(1, 1 / N, N) it was trained on
+        (``sigma_spacing``), not on the scheduler's own N points between 1 and its smallest training sigma."""
+        return {**super().call_defaults(), **({"sigma_spacing": "trailing"} if self.flow else {})}
+
     def export_info(self) -> dict:
         info = {"w_conditioned": self.w_conditioned, "prediction_type": self.student_prediction_type}
+        if self.flow:
+            info["grid"] = (f"t_i = shift(i / N), i = 0..N (shift {self.schedule.shift}): Euler steps on the unshifted "
+                            "sigmas linspace(1, 1/N, N), the last step to 0")
         if self.w_conditioned:
             info["guidance_scale_range"] = [self.guidance_scale_min, self.guidance_scale_max]
         return info
@@ -256,10 +307,31 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         folder = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
         teacher = Path(str(folder)) if folder is not None else None
         if teacher is not None and teacher.is_dir():
+            from distill.models.teacher import is_flow_matching
+
             sched = teacher / "scheduler" / "scheduler_config.json"
             config = json.loads(sched.read_text()) if sched.is_file() else {}
+            if is_flow_matching(config):
+                return  # Euler steps of the flow ODE (the family says whether progressive serves it)
             if "beta_schedule" not in config and "trained_betas" not in config:
                 raise ValueError(
                     f"teacher {str(teacher)!r} has scheduler {config.get('_class_name', 'unknown')!r} without a DDPM "
-                    "beta schedule; progressive distillation needs a DDIM-compatible (alphas_cumprod) teacher"
+                    "beta schedule; progressive distillation needs a DDIM-compatible (alphas_cumprod) teacher or a "
+                    "flow-matching one (FlowMatchEulerDiscreteScheduler)"
                 )
+
+
+def check_student_prediction(prediction_type: str | None, flow: bool, teacher: str) -> str:
+    """The student's prediction type: given, or v_prediction on a VP teacher and flow_prediction (the velocity) on a
+    flow one. A flow student predicts the velocity, which the exported Euler scheduler steps; a VP student one of
+    the DDPM-family types."""
+    if prediction_type is None:
+        return FLOW_STUDENT_PREDICTION if flow else VP_STUDENT_PREDICTION
+    if flow and prediction_type != FLOW_STUDENT_PREDICTION:
+        raise ValueError(f"method.student_prediction_type={prediction_type!r} on the flow-matching teacher {teacher!r}: "
+                         "the exported FlowMatchEulerDiscreteScheduler steps a velocity; set "
+                         f"method.student_prediction_type={FLOW_STUDENT_PREDICTION} (or null)")
+    if not flow and prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"method.student_prediction_type={prediction_type!r} on the discrete VP teacher {teacher!r}; "
+                         f"use one of {list(PREDICTION_TYPES)} (or null: {VP_STUDENT_PREDICTION})")
+    return prediction_type
