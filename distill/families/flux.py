@@ -14,7 +14,8 @@ T5 is not optional: Flux has no T5-free mode (its context is T5's tokens alone),
 ``text_encoder_2``/``tokenizer_2`` is refused before any weights load. ``distill.evaluate``, ``distill.sample`` and
 ``distill.serve`` run on it (the engine's hooks: ``set_timesteps``, ``latent_shape``, ``call_latents``,
 ``guidance_input``, ``size_multiple``); no training method serves it yet (consistency distillation's solver grid
-is built from a static shift).
+is built from a static shift), though its LoRA student (``student=lora``) and LoRA file (``FluxPipeline``'s
+``load_lora_weights`` reads it: ``ModelFamily.lora_weights``) are ready for one.
 """
 
 from __future__ import annotations

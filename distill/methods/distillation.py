@@ -57,7 +57,7 @@ class TeacherStudentDistillation(DistillMethod):
         self.student = make_student(student, teacher)
         if self.noise.preconditioning == "edm":
             self.student = self._edm_student(student)
-        # LoRA adapters on the teacher's own UNet: with the adapters disabled the student is the teacher
+        # LoRA adapters on the teacher's own network: with the adapters disabled the student is the teacher
         self.is_lora = self.student is self.teacher_unet
         self.w_dim = self.student.config.get("time_cond_proj_dim")  # None: no guidance-scale input
         self.guidance_scale_min, self.guidance_scale_max = guidance_scale_min, guidance_scale_max
@@ -199,22 +199,14 @@ class TeacherStudentDistillation(DistillMethod):
     def save_pipeline(self, pipe, out_dir: Path) -> str:
         """Save ``pipe`` to ``out_dir`` with the teacher's safety checker and feature extractor, where it has them;
         returns the student's description. A LoRA student is saved also alone (lora/pytorch_lora_weights.safetensors,
-        for ``pipe.load_lora_weights`` on the teacher); the full pipeline holds a copy with the adapters merged into
-        the weights and removed."""
+        for ``pipe.load_lora_weights`` on the teacher, in the family's format: ``ModelFamily.lora_weights``); the full
+        pipeline holds a copy with the adapters merged into the weights and removed."""
         from distill.models.teacher import load_safety_components
 
         pipe.register_modules(**load_safety_components(self.teacher_source, **self.teacher_load_options))
         student = type(self.student).__name__
         if self.is_lora:
-            from peft.utils import get_peft_model_state_dict
-
-            # peft's keys unconverted, with the adapter's LoraConfig as metadata: load_lora_weights then rebuilds
-            # every targeted module at its rank and alpha (diffusers' older lora.down/up names cover only attention
-            # and carry no alpha)
-            (adapter,) = self.student.peft_config
-            pipe.save_lora_weights(out_dir / "lora", safe_serialization=True,
-                                   unet_lora_layers=get_peft_model_state_dict(self.student, adapter_name=adapter),
-                                   unet_lora_adapter_metadata=self.student.peft_config[adapter].to_dict())
+            pipe.save_lora_weights(out_dir / "lora", safe_serialization=True, **self.family.lora_weights(self.student))
             merged = copy.deepcopy(self.student)
             merged.fuse_lora()
             merged.unload_lora()

@@ -1,11 +1,12 @@
-"""Students built from a teacher UNet: a full copy (optionally w-conditioned), a fresh one, or LoRA adapters (peft).
-A UNet trained before (``pretrained_student``) is loaded in ``distill.students.pretrained``, which knows every
-UNet class distill exports."""
+"""Students built from a teacher's network (a UNet, or SD3's or Flux's transformer): a full copy (a UNet optionally
+w-conditioned), a fresh UNet, or LoRA adapters (peft). A UNet trained before (``pretrained_student``) is loaded in
+``distill.students.pretrained``, which knows every UNet class distill exports."""
 
 from __future__ import annotations
 
 import torch
 from diffusers import UNet2DConditionModel
+from torch import nn
 
 from distill.students import STUDENTS
 
@@ -15,7 +16,7 @@ def copy_student(teacher_unet: UNet2DConditionModel, time_cond_proj_dim: int | N
                  gradient_checkpointing: bool = False) -> UNet2DConditionModel:
     """The teacher's architecture and weights; with ``time_cond_proj_dim`` a guidance-scale embedding
     enters the time embedding through a new zero-initialised projection, so the student starts as the teacher.
-    A denoiser of another class (SD3's transformer) is copied as it is; it has no such input to add."""
+    A denoiser of another class (SD3's or Flux's transformer) is copied as it is; it has no such input to add."""
     config = dict(teacher_unet.config)
     unet = isinstance(teacher_unet, UNet2DConditionModel)
     if time_cond_proj_dim is not None:
@@ -52,30 +53,57 @@ def fresh_student(teacher_unet: UNet2DConditionModel, seed: int = 0, time_cond_p
     return student.train().requires_grad_(True)
 
 
+# LoRA's default target modules per denoiser class (the first of a network's classes, in method resolution order,
+# found here); peft matches each name as a suffix of a module's dotted name (to_q: every attention's query)
+LORA_TARGET_MODULES: dict[str, tuple[str, ...]] = {
+    # diffusers' LCM-LoRA script (train_lcm_distill_lora_sd_wds.py): attention, feed-forward, resnet and
+    # time-embedding layers and the down/upsampler convolutions
+    "UNet2DConditionModel": ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
+                             "conv1", "conv2", "conv_shortcut", "downsamplers.0.conv", "upsamplers.0.conv",
+                             "time_emb_proj"),
+    # MMDiT: every attention's image stream (SD3.5's second attention attn2 and Flux's single-stream blocks
+    # included) and context stream (add_*_proj, to_add_out), as diffusers' train_dreambooth_lora_sd3.py targets, and
+    # both streams' feed-forwards (ff, ff_context), as its train_dreambooth_lora_flux.py does: a distilled student
+    # changes the whole function, so the MLPs adapt too, as LCM-LoRA's do in the UNet
+    "SD3Transformer2DModel": ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                              "to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
+}
+LORA_TARGET_MODULES["FluxTransformer2DModel"] = LORA_TARGET_MODULES["SD3Transformer2DModel"]
+
+
+def lora_target_modules(network: nn.Module) -> tuple[str, ...]:
+    """The default LoRA targets of ``network``'s class (``LORA_TARGET_MODULES``); a class without an entry is refused,
+    naming ``student.target_modules``."""
+    for cls in type(network).__mro__:
+        if cls.__name__ in LORA_TARGET_MODULES:
+            return LORA_TARGET_MODULES[cls.__name__]
+    raise ValueError(f"student=lora has no default target modules for a {type(network).__name__} (known: "
+                     f"{sorted(LORA_TARGET_MODULES)}); name its linear layers in student.target_modules=[...]")
+
+
 @STUDENTS.register("lora")
-def lora_student(teacher_unet: UNet2DConditionModel, rank: int = 8, alpha: float | None = None,
-                 target_modules: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out",
-                                                   "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "conv_shortcut",
-                                                   "downsamplers.0.conv", "upsamplers.0.conv", "time_emb_proj"),
-                 gradient_checkpointing: bool = False, time_cond_proj_dim: int | None = None) -> UNet2DConditionModel:
-    """LoRA adapters (peft) on the teacher UNet itself; with the adapters disabled it is the teacher
-    (LCM-LoRA, Luo et al. 2023b). Only the adapter weights train. The default targets are those of
-    diffusers' LCM-LoRA script (train_lcm_distill_lora_sd_wds.py): attention, feed-forward, resnet and
-    time-embedding layers and the down/upsampler convolutions. ``time_cond_proj_dim`` is the teacher's own (an
-    experiment may set it to null for every student); a guidance-scale input cannot be added to the teacher."""
+def lora_student(teacher_unet: nn.Module, rank: int = 8, alpha: float | None = None,
+                 target_modules: tuple[str, ...] | None = None, gradient_checkpointing: bool = False,
+                 time_cond_proj_dim: int | None = None) -> nn.Module:
+    """LoRA adapters (peft) on the teacher's network itself (a UNet, SD3's or Flux's transformer); with the adapters
+    disabled it is the teacher (LCM-LoRA, Luo et al. 2023b). Only the adapter weights train. ``target_modules``:
+    default the network class's (``LORA_TARGET_MODULES``); a name without a dot that the network lacks is skipped.
+    ``time_cond_proj_dim`` is the teacher's own (an experiment may set it to null for every student); a
+    guidance-scale input cannot be added to the teacher."""
     from peft import LoraConfig
 
     have = teacher_unet.config.get("time_cond_proj_dim")
     if time_cond_proj_dim is not None and time_cond_proj_dim != have:
-        raise ValueError(f"student.time_cond_proj_dim={time_cond_proj_dim}: a LoRA student keeps the teacher's UNet, "
-                         f"whose guidance input is {have}; set student.time_cond_proj_dim=null or use student=copy")
+        raise ValueError(f"student.time_cond_proj_dim={time_cond_proj_dim}: a LoRA student keeps the teacher's "
+                         f"{type(teacher_unet).__name__}, whose guidance input is {have}; set "
+                         "student.time_cond_proj_dim=null or use student=copy")
 
     teacher_unet.requires_grad_(False)
     present = {name.split(".")[-1] for name, _ in teacher_unet.named_modules()}
-    targets = [t for t in target_modules if t.split(".")[-1] in present or "." in t]
+    wanted = lora_target_modules(teacher_unet) if target_modules is None else target_modules
+    targets = [t for t in wanted if t.split(".")[-1] in present or "." in t]
     teacher_unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights="gaussian",
                                         target_modules=targets))
     if gradient_checkpointing:
         teacher_unet.enable_gradient_checkpointing()
     return teacher_unet
-
