@@ -113,6 +113,10 @@ def stand_in_teacher(cfg, tmp_path) -> list[str]:
         from tests.sd3_tiny import write_tiny_sd3
 
         return [f"teacher.pretrained_model_name_or_path={write_tiny_sd3(tmp_path / 'sd3')}"]
+    if str(teacher).startswith("black-forest-labs/FLUX.1"):
+        from tests.flux_tiny import write_tiny_flux
+
+        return [f"teacher.pretrained_model_name_or_path={write_tiny_flux(tmp_path / 'flux')}"]
     raise AssertionError(f"experiment teacher {teacher} has no stand-in in tests/test_config.py:stand_in_teacher")
 
 

@@ -5,7 +5,7 @@ loading, conditioning bit for bit as encode_prompt, denoise as the transformer c
 through the family equal to FluxPipeline.__call__'s latents and images, the export through
 DiffusionPipeline.from_pretrained and through the stock class in a process that does not import distill,
 distill.evaluate and distill.sample end to end, and the refusals (a Flux folder without its T5, a training method
-on a Flux teacher)."""
+other than consistency distillation on a Flux teacher: tests/test_consistency_flux.py trains it)."""
 
 from __future__ import annotations
 
@@ -297,22 +297,24 @@ def test_evaluate_refuses_a_flux_folder_without_t5_with_exit_2(flux_dir, tmp_pat
 
 
 def test_a_training_method_on_a_flux_teacher_is_refused_from_its_configs(flux_dir):
-    """No training method serves Flux yet (consistency's solver grid needs a static shift): refused before anything
-    loads, naming the family and what runs on it."""
-    for method in ("consistency", "progressive", "feature_distillation"):
+    """Consistency distillation serves Flux; another method is refused before anything loads, naming the family,
+    the method that can and what runs on it."""
+    check_method_serves(flux_dir, pipeline_configs(flux_dir), "consistency")
+    for method in ("progressive", "feature_distillation"):
         with pytest.raises(ValueError, match=rf"is a 'flux' teacher \(FluxFamily, flow matching\), which "
-                                             rf"method='{method}' cannot train; no training method serves it yet"):
+                                             rf"method='{method}' cannot train; the methods that can: "
+                                             rf"\['consistency'\]"):
             check_method_serves(flux_dir, pipeline_configs(flux_dir), method)
 
 
 @pytest.mark.slow
 def test_training_on_a_flux_teacher_exits_2_before_any_compute(flux_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_train("+exp=consistency", f"teacher.pretrained_model_name_or_path={flux_dir}",
+    proc = run_train("+exp=progressive", f"teacher.pretrained_model_name_or_path={flux_dir}",
                      f"hydra.run.dir={run_dir}", "logger=csv", timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("is a 'flux' teacher (FluxFamily, flow matching), which method='consistency' cannot train; no training "
-            "method serves it yet") in proc.stderr
+    assert ("is a 'flux' teacher (FluxFamily, flow matching), which method='progressive' cannot train; the methods "
+            "that can: ['consistency']") in proc.stderr
     assert "python -m distill.evaluate pipeline=" in proc.stderr and not run_dir.exists()
 
 
@@ -356,10 +358,11 @@ def test_teacher_flux_names_flux1_dev_and_is_refused_from_its_configs_before_its
     fetched = hub_from_folder(monkeypatch, flux_dir)  # Flux has no unet/
     monkeypatch.setattr(FluxPipeline, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("weights loaded before the family check")))
-    cfg = compose("+exp=consistency", "teacher=flux")
+    cfg = compose("+exp=progressive", "teacher=flux")
     assert cfg.teacher.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
-    with pytest.raises(ValueError, match=r"'black-forest-labs/FLUX.1-dev' is a 'flux' teacher .*method='consistency' "
-                                         r"cannot train; no training method serves it yet"):
+    with pytest.raises(ValueError, match=r"'black-forest-labs/FLUX.1-dev' is a 'flux' teacher .*method='progressive' "
+                                         r"cannot train; the methods that can: \['consistency'\]"):
         _check_method_serves_teacher(cfg)
+    assert compose("+exp=consistency_flux").teacher.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
     assert fetched == ["model_index.json", "scheduler/scheduler_config.json", "unet/config.json",
                        "transformer/config.json"]

@@ -67,6 +67,9 @@ class ModelFamily:
     # whether a guidance scale > 1 runs classifier-free guidance, a second (unconditional) network row per image; False
     # where the pipeline passes the scale to the network instead (Flux's distilled-guidance embedding, guidance_input)
     classifier_free_guidance: ClassVar[bool] = True
+    # whether its pipeline shifts the sigmas by the call's resolution on a use_dynamic_shifting scheduler (Flux's
+    # calculate_shift), and offers ``shift_mu``, ``inference_sigmas`` and ``resolution_defaults`` for it
+    resolution_shift: ClassVar[bool] = False
 
     def __init__(self, scheduler, vae: nn.Module | None, conditioner: nn.Module):
         if not isinstance(conditioner, self.conditioner_type):
@@ -204,6 +207,11 @@ class ModelFamily:
         ``timesteps``, as the pipeline's loop passes it); the same as ``denoise`` where t is that input (a discrete VP
         schedule's integer timesteps)."""
         return self.denoise(network, x, timestep, cond, **extra)
+
+    def guidance_embedded(self, network: nn.Module) -> bool:
+        """Whether ``network`` takes the guidance scale as an input (``guidance_input``: FLUX.1-dev's guidance
+        embedding), its pipeline running no CFG pass; False where guidance is classifier-free."""
+        return False
 
     def guidance_input(self, guidance_scale: torch.Tensor) -> dict:
         """The network's keyword arguments for a guidance scale per row (N,) that it takes as an input (FLUX.1-dev's

@@ -13,9 +13,17 @@ loop on unpacked latents equals ``FluxPipeline``'s on packed ones bit for bit.
 T5 is not optional: Flux has no T5-free mode (its context is T5's tokens alone), so a folder without
 ``text_encoder_2``/``tokenizer_2`` is refused before any weights load. ``distill.evaluate``, ``distill.sample`` and
 ``distill.serve`` run on it (the engine's hooks: ``set_timesteps``, ``latent_shape``, ``call_latents``,
-``guidance_input``, ``size_multiple``); no training method serves it yet (consistency distillation's solver grid
-is built from a static shift), though its LoRA student (``student=lora``) and LoRA file (``FluxPipeline``'s
-``load_lora_weights`` reads it: ``ModelFamily.lora_weights``) are ready for one.
+``guidance_input``, ``size_multiple``).
+
+It trains with consistency distillation (``method=consistency``, ``+exp=consistency_flux``), with a copy or LoRA
+student (``student=lora``; ``FluxPipeline``'s ``load_lora_weights`` reads its file: ``ModelFamily.lora_weights``).
+The training images have one resolution (``data.resolution``), and its mu (``shift_mu``) shifts the solver grid
+(``inference_sigmas``: FluxPipeline's sigmas linspace(1, 1 / N, N) at that mu); the export samples at that
+resolution by default (``resolution_defaults``: ``default_sample_size``), so at the same shift, and records the
+resolution and mu in distill.json. A FLUX.1-dev-style teacher (``guidance_embedded``) is stepped at its guidance
+input with no CFG pass, as ``FluxPipeline`` calls it, and its student takes the guidance scale the same way; a
+teacher without the embedding is guided by true CFG (``FluxPipeline``'s ``true_cfg_scale``) in velocity form, and
+its student samples guidance-distilled.
 """
 
 from __future__ import annotations
@@ -93,21 +101,24 @@ class FluxConditioner(TextConditioner):
 class DistillFluxPipeline(TransformerCallDefaults, FluxPipeline):
     """A ``FluxPipeline`` whose call defaults are the exported model's: ``default_num_inference_steps``,
     ``default_guidance_scale`` (the embedded guidance of a ``guidance_embeds`` transformer), ``default_max_sequence_length``
-    (T5 tokens) and ``default_sample_size`` (latent pixels; ``FluxPipeline`` fixes 128), registered in its config so
-    that ``model_index.json`` carries them (``TransformerCallDefaults``)."""
+    (T5 tokens), ``default_sample_size`` (latent pixels; ``FluxPipeline`` fixes 128: a student trained at one
+    resolution samples at it, and so on the resolution shift it was trained with) and ``guidance_distilled`` (a
+    student of a teacher without a guidance embedding, guided by CFG in training: ``guidance_scale`` has no effect and
+    no ``true_cfg_scale`` is needed), registered in its config so that ``model_index.json`` carries them
+    (``TransformerCallDefaults``)."""
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer,
                  image_encoder=None, feature_extractor=None,
                  default_num_inference_steps: int = FLUX_NUM_INFERENCE_STEPS,
                  default_guidance_scale: float = FLUX_GUIDANCE_SCALE,
                  default_max_sequence_length: int = FLUX_MAX_SEQUENCE_LENGTH,
-                 default_sample_size: int = FLUX_SAMPLE_SIZE):
+                 default_sample_size: int = FLUX_SAMPLE_SIZE, guidance_distilled: bool = False):
         super().__init__(scheduler, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2, transformer,
                          image_encoder, feature_extractor)
         self.register_to_config(default_num_inference_steps=default_num_inference_steps,
                                 default_guidance_scale=default_guidance_scale,
                                 default_max_sequence_length=default_max_sequence_length,
-                                default_sample_size=default_sample_size)
+                                default_sample_size=default_sample_size, guidance_distilled=guidance_distilled)
         self.default_sample_size = default_sample_size
 
 
@@ -124,9 +135,10 @@ class FluxFamily(ModelFamily):
     pipeline_class = DistillFluxPipeline
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
-    methods = ()  # consistency's solver grid needs a static shift (methods/consistency.py); the others step VP time
+    methods = ("consistency",)  # its solver grid at the training resolution's shift (resolution_shift)
     flow_matching = True
     classifier_free_guidance = False  # FluxPipeline passes guidance_scale to the transformer (guidance_input)
+    resolution_shift = True  # FluxPipeline shifts by mu of the packed token count (shift_mu)
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
     component_notes = dict.fromkeys(T5_PARTS, "T5, whose token states are Flux's whole text context: Flux has no "
                                               "T5-free mode; black-forest-labs/FLUX.1-dev has them")
@@ -192,6 +204,27 @@ class FluxFamily(ModelFamily):
     def call_latents(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``FluxPipeline``'s packed (N, H/2 * W/2, 4C) latents unpacked to (N, C, H, W)."""
         return unpack_latents(latents, height, width)
+
+    def shift_mu(self, height: int, width: int) -> float | None:
+        """mu of ``FluxPipeline``'s resolution shift for a ``height`` x ``width`` latent (``calculate_shift`` of its
+        packed token count with the scheduler's base/max shift and sequence lengths); None without dynamic shifting."""
+        return self.schedule.mu(image_seq_len(height, width, PACK))
+
+    def resolution_defaults(self, height: int, width: int) -> dict:
+        """The export's call defaults under which a call without height/width samples a ``height`` x ``width``
+        latent, and so at its mu: ``DistillFluxPipeline``'s ``default_sample_size`` (one side: square latents only)."""
+        if height != width:
+            raise ValueError(f"a {height}x{width} latent: FluxPipeline's default_sample_size is one side, so an export "
+                             "samples square images by default; train on square images (data.resolution)")
+        if height % PACK:
+            raise ValueError(f"a {height}x{width} latent: FluxPipeline packs 2x2 patches and samples the even size "
+                             f"below it; train at a resolution of an even latent size ({height + 1} latent pixels)")
+        return {"default_sample_size": height}
+
+    def guidance_embedded(self, network: nn.Module) -> bool:
+        """FLUX.1-dev's ``guidance_embeds``: ``FluxPipeline`` passes ``guidance_scale`` to the transformer and runs no
+        CFG pass (``true_cfg_scale`` 1); FLUX.1-schnell has no embedding."""
+        return bool(network.config.get("guidance_embeds"))
 
     def guidance_input(self, guidance_scale: torch.Tensor) -> dict:
         """``{"guidance": (N,)}``: ``denoise_at`` embeds it where the transformer has FLUX.1-dev's guidance embedding

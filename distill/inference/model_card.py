@@ -68,8 +68,9 @@ def stock_extras(folder: Path, pipeline: str) -> dict:
     """What diffusers' stock class needs beyond the step count and the guidance to sample the folder as its distill
     class does: ``call``, the registered defaults of other call arguments (``default_max_sequence_length``: the T5
     tokens, zeros without T5, which change the transformer's context; the ``sigmas`` of ``sigma_spacing``
-    "trailing"), and ``load``, the components the folder
-    saved as null that the stock class does not list as optional (``from_pretrained(..., name=None)``)."""
+    "trailing"; the height and width of ``default_sample_size``, FluxPipeline's fixed 128 latent pixels otherwise,
+    whose resolution shift would then differ from the one the student was trained at), and ``load``, the components
+    the folder saved as null that the stock class does not list as optional (``from_pretrained(..., name=None)``)."""
     import diffusers
 
     import distill.inference.pipelines  # noqa: F401  (registers distill's classes with diffusers)
@@ -82,6 +83,9 @@ def stock_extras(folder: Path, pipeline: str) -> dict:
         from distill.families.base import trailing_sigmas
 
         call["sigmas"] = trailing_sigmas(index["default_num_inference_steps"])
+    if "default_sample_size" in index and (folder / "vae" / "config.json").is_file():
+        blocks = json.loads((folder / "vae" / "config.json").read_text())["block_out_channels"]
+        call["height"] = call["width"] = index["default_sample_size"] * 2 ** (len(blocks) - 1)
     load = [name for name, spec in index.items() if isinstance(spec, list) and spec == [None, None]
             and name not in stock._optional_components]
     return {"call": call, "load": load}

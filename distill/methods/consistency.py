@@ -1,5 +1,5 @@
 """Latent consistency distillation (Luo et al. 2023, "Latent Consistency Models", Algorithm 1), on a discrete VP
-teacher (skipping-step DDIM solver) or a flow-matching one (SD3: Euler steps of the flow ODE on its shifted
+teacher (skipping-step DDIM solver) or a flow-matching one (SD3, Flux: Euler steps of the flow ODE on its shifted
 sigmas)."""
 
 from __future__ import annotations
@@ -42,7 +42,16 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
     is f(x_t, t) = x_t - t v_student (``flow_boundary_scalings``: c_skip = 1, c_out = -t on the velocity, the
     boundary condition f(x_0, 0) = x_0 by construction), which diffusers' ``FlowMatchLCMScheduler`` (``scheduler=
     flow_lcm``) samples with: predict x0, re-noise to the next sigma. ``timestep_scaling`` and ``sigma_data`` (LCM's
-    VP scalings) have no part in it."""
+    VP scalings) have no part in it.
+
+    A scheduler that shifts by resolution (``use_dynamic_shifting``: Flux's mu of the image's token count) is
+    distilled at one resolution, ``resolution`` (the training images' side): the grid is the sigmas the teacher's
+    pipeline samples ``num_ddim_timesteps`` steps with at that mu (``ModelFamily.inference_sigmas``), and the export's
+    default call samples at that resolution (``resolution_defaults``), so at the same mu, on sigmas of the grid.
+    A teacher that takes the guidance scale as an input (FLUX.1-dev's guidance embedding: ``guidance_embedded``) is
+    stepped as its pipeline calls it, at guidance 1 + w with no CFG pass, and a student with that input learns
+    f(x_t, t, c, 1 + w) through it; a teacher without one (FLUX.1-schnell's layout, SD3) is guided by CFG in velocity
+    form (``FluxPipeline``'s ``true_cfg_scale``)."""
 
     def __init__(
         self,
@@ -51,6 +60,9 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         optimizer: Callable,
         lr_scheduler: Callable | None = None,
         num_ddim_timesteps: int = 50,  # the skipping-step solver's grid
+        # the training images' side in pixels (conf/method/consistency.yaml: data.resolution); read only where the
+        # teacher's scheduler shifts by resolution (use_dynamic_shifting: Flux), whose grid is built at its mu
+        resolution: int | None = None,
         # classifier-free guidance scales (w + 1) sampled per example: diffusers' LCM distillation script samples
         # its w (guidance = w + 1) uniformly in [5, 15] for Stable Diffusion; +exp=consistency narrows it for the embedded default
         guidance_scale_min: float = 6.0,
@@ -81,13 +93,12 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
 
         self.flow = isinstance(self.schedule, FlowMatchingSchedule)
         check_scheduler_kind(self.sampling["name"], self.noise_scheduler_config, key="scheduler.name")
-        if self.flow and self.schedule.use_dynamic_shifting:
-            raise ValueError(f"method=consistency on {self.teacher_source!r}: its scheduler shifts the sigmas by the "
-                             "image's resolution (use_dynamic_shifting, as Flux's), and the solver grid is built from "
-                             "a static shift (SD3's); set use_dynamic_shifting=false with a fixed shift in the "
-                             "teacher's scheduler_config.json, or distil an SD3 teacher")
-        if self.flow:  # the teacher scheduler's N-step sigmas: t_n -> t_{n-1}, the last step to t = 0
-            grid, previous = flow_solver_grid(self.schedule.inference_sigmas(num_ddim_timesteps)[0])
+        # FLUX.1-dev: the guidance scale is the network's input, not a CFG pass (the family's guidance_input)
+        self.teacher_guidance_embedded = self.family.guidance_embedded(self.teacher_unet)
+        self.student_guidance_embedded = self.family.guidance_embedded(self.student)
+        self.resolution, self.latent_size, self.mu = resolution, None, None
+        if self.flow:  # the teacher pipeline's N-step sigmas: t_n -> t_{n-1}, the last step to t = 0
+            grid, previous = flow_solver_grid(self._flow_sigmas(num_ddim_timesteps, resolution))
         else:  # LCM's skipping-step grid: t_n -> t_n - k, k = T / N
             T = self.schedule.num_train_timesteps
             grid = ddim_timesteps(T, num_ddim_timesteps)
@@ -96,6 +107,36 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         self.register_buffer("solver_previous", previous, persistent=False)
 
     method_name = "consistency"
+
+    def _flow_sigmas(self, num_ddim_timesteps: int, resolution: int | None) -> torch.Tensor:
+        """The N-step sigmas (N + 1,) the teacher's pipeline samples with: its scheduler's own at a static shift
+        (SD3); under a resolution shift (Flux) those at mu of ``resolution``'s latents, where the student's sampling
+        sigmas must lie too (their steps a divisor of N) for it to be sampled where it was trained."""
+        if not self.schedule.use_dynamic_shifting:
+            return self.schedule.inference_sigmas(num_ddim_timesteps)[0]
+        if not self.family.resolution_shift:
+            raise ValueError(f"method=consistency on {self.teacher_source!r}: its scheduler shifts the sigmas by the "
+                             f"image's resolution (use_dynamic_shifting), which the {type(self.family).__name__}'s "
+                             "pipeline does not reproduce here (Flux's does); set use_dynamic_shifting=false with a "
+                             "fixed shift in the teacher's scheduler_config.json")
+        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        if resolution is None or resolution % factor:
+            raise ValueError(f"method.resolution={resolution} on {self.teacher_source!r}, whose scheduler shifts the "
+                             "sigmas by the image's resolution (use_dynamic_shifting): the solver grid is built at the "
+                             f"training images' resolution, a multiple of the VAE's factor {factor}; set "
+                             "method.resolution=${data.resolution} (conf/method/consistency.yaml does)")
+        size = self.latent_size = resolution // factor
+        self.family.resolution_defaults(size, size)  # refuses a size the export cannot sample at by default
+        self.mu = self.family.shift_mu(size, size)
+        sigmas = self.family.inference_sigmas(num_ddim_timesteps, size, size)[0]
+        steps = self.sampling["num_inference_steps"]
+        sampled = self.family.inference_sigmas(steps, size, size)[0]
+        if not bool(torch.isin(sampled, sigmas).all()):
+            raise ValueError(f"scheduler.num_inference_steps={steps} samples sigmas {sampled.tolist()} off the "
+                             f"method.num_ddim_timesteps={num_ddim_timesteps} grid the student is trained on (at mu="
+                             f"{self.mu:.4f}); use a step count that divides {num_ddim_timesteps}, or set "
+                             f"method.num_ddim_timesteps to a multiple of {steps}")
+        return sigmas
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -112,6 +153,9 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         """x_{t_prev} from x_t by one solver step of the guided teacher, guided with LCM's w (Luo et al. 2023,
         sec. 4.2): DDIM in (x0, eps) on a VP schedule; on a flow schedule an Euler step of the velocity guided in
         velocity form (``flow.euler_step``, what ``FlowMatchEulerDiscreteScheduler.step`` computes)."""
+        if self.teacher_guidance_embedded:  # as its pipeline calls it: guidance 1 + w as an input, no CFG pass
+            out = self.teacher_forward(x_t, t, cond, **self.family.guidance_input(1.0 + w))
+            return euler_step(self.schedule.velocity(out, x_t, t), x_t, t, t_prev)
         out_c, out_u = self.teacher_cond_uncond(x_t, t, cond, uncond)
         if self.flow:
             v = cfg(self.schedule.velocity(out_c, x_t, t), self.schedule.velocity(out_u, x_t, t), w=w)
@@ -143,6 +187,7 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)  # (N, 4, h, w)
+        self._check_latent_size(x0)
         n, device = x0.shape[0], x0.device
         # one bin per grid point t_n, by its noise level
         bins, iw = self.draw_time_bins(n, self._solver_levels(), generator)
@@ -150,7 +195,8 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         t_prev = self.solver_previous[bins.to(device)]  # t_{n-k}
         w = (self.guidance_scale_min - 1) + (self.guidance_scale_max - self.guidance_scale_min) * torch.rand(n, generator=generator)
         w = self.paired(w).to(device)  # LCM's w = cfg scale - 1
-        w_kwargs = guidance_condition(w, self.w_dim, x0)
+        w_kwargs = (self.family.guidance_input(1.0 + w) if self.student_guidance_embedded
+                    else guidance_condition(w, self.w_dim, x0))
         cond, uncond = self.text_conditions(batch, n, device)
 
         eps = self.draw_noise(x0, generator)
@@ -161,6 +207,14 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         if self.training:
             self.record_time_losses(bins, per_example)
         return self.weighted_mean(per_example, iw)
+
+    def _check_latent_size(self, x0: torch.Tensor) -> None:
+        """Under a resolution shift, latents of the size the grid's mu was built for (before any network runs)."""
+        if self.latent_size is not None and tuple(x0.shape[-2:]) != (self.latent_size, self.latent_size):
+            raise ValueError(f"the training latents are {tuple(x0.shape[-2:])}, but the solver grid is built at mu="
+                             f"{self.mu:.4f} of method.resolution={self.resolution} ({self.latent_size}x"
+                             f"{self.latent_size} latents): train on images of one resolution, that one (data."
+                             "resolution), or set method.resolution to the data's")
 
     @torch.no_grad()
     def consistency_target(self, x_t, t, t_prev, cond, uncond, w, w_kwargs) -> torch.Tensor:
@@ -211,17 +265,41 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         return make_scheduler(name, self.noise_scheduler_config, **options)
 
     def guidance_source(self) -> str:
-        return (f"the teacher's classifier-free guidance at scales drawn from "
-                f"[{self.guidance_scale_min}, {self.guidance_scale_max}]")
+        kind = "embedded guidance (its guidance input)" if self.teacher_guidance_embedded else "classifier-free guidance"
+        return f"the teacher's {kind} at scales drawn from [{self.guidance_scale_min}, {self.guidance_scale_max}]"
+
+    def guidance_note(self) -> str:
+        if self.student_guidance_embedded:
+            return (f"distilled from {self.guidance_source()}, taken as an input (guidance_scale through the "
+                    "transformer's guidance embedding, as the pipeline passes it): one evaluation per step at any "
+                    "scale in that range, never a CFG pass.")
+        return super().guidance_note()
+
+    def call_defaults(self) -> dict:
+        """The base's, with the configured guidance as the call's scale where the student embeds it, and under a
+        resolution shift the size it was trained at (so that a default call samples at the grid's mu)."""
+        defaults = super().call_defaults()
+        if self.student_guidance_embedded:
+            defaults.update(default_guidance_scale=self.sampling["guidance_scale"], guidance_distilled=False)
+        if self.latent_size is not None:
+            defaults.update(self.family.resolution_defaults(self.latent_size, self.latent_size))
+        return defaults
+
+    def cfg_pass(self, defaults: dict) -> bool:
+        return not self.student_guidance_embedded and super().cfg_pass(defaults)
 
     def export_info(self) -> dict:
         info = {"guidance_scale_range": [self.guidance_scale_min, self.guidance_scale_max],
                 "num_ddim_timesteps": self.num_ddim_timesteps}
-        if self.flow:
-            return {**info, "solver": "Euler steps of the guided teacher's flow ODE on its scheduler's "
-                                      f"{self.num_ddim_timesteps}-step shifted sigmas",
-                    "consistency_function": "f(x_t, t) = x_t - t v (c_skip = 1, c_out = -t on the velocity)"}
-        return {**info, "timestep_scaling": self.timestep_scaling}
+        if not self.flow:
+            return {**info, "timestep_scaling": self.timestep_scaling}
+        shift = "" if self.mu is None else f" at mu={self.mu:.6g} of the {self.resolution}px training images"
+        info.update(solver=f"Euler steps of the guided teacher's flow ODE on its pipeline's {self.num_ddim_timesteps}-"
+                           f"step shifted sigmas{shift}",
+                    consistency_function="f(x_t, t) = x_t - t v (c_skip = 1, c_out = -t on the velocity)")
+        if self.mu is not None:  # the export samples at this resolution, and so at this mu, by default
+            info.update(resolution=self.resolution, latent_size=self.latent_size, mu=self.mu)
+        return info
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -242,5 +320,10 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
                 f"{method.num_ddim_timesteps}: the {cfg.scheduler.name} scheduler samples on that training grid; "
                 f"use at most {method.num_ddim_timesteps} steps"
             )
+        resolution, data_resolution = method.get("resolution"), cfg.get("data", {}).get("resolution")
+        if resolution is not None and data_resolution is not None and resolution != data_resolution:
+            raise ValueError(f"method.resolution={resolution} differs from data.resolution={data_resolution}: on a "
+                             "resolution-shifted teacher (Flux) the solver grid is built at the shift of the training "
+                             "images' resolution; leave method.resolution=${data.resolution}")
         if not 0.0 <= method.ema_decay < 1.0:
             raise ValueError(f"method.ema_decay={method.ema_decay} must be in [0, 1) (0 = stop-gradient target)")
