@@ -7,9 +7,11 @@ then ends in ``max_sequence_length`` zero tokens, as ``StableDiffusion3Pipeline.
 default is 256 tokens (``SD3_MAX_SEQUENCE_LENGTH``); on tiny latents they dominate the transformer's cost, so the
 conditioner and the export take it as a setting (``max_sequence_length``).
 
-Consistency distillation serves this family (``method=consistency``: Euler steps of the flow ODE, exported with
-``FlowMatchLCMScheduler``, ``scheduler=flow_lcm``); the other training methods step the discrete VP schedule at
-integer timesteps, and a run of one on an SD3 teacher is refused before anything loads. ``distill.evaluate`` and
+Consistency distillation (``method=consistency``: Euler steps of the flow ODE, exported with
+``FlowMatchLCMScheduler``, ``scheduler=flow_lcm``) and progressive distillation (``method=progressive``: flow Euler
+steps, the student sampled on the trailing sigmas it learned, ``sigma_spacing``) serve this family; the other
+training methods step the discrete VP schedule at integer timesteps, and a run of one on an SD3 teacher is refused
+before anything loads. ``distill.evaluate`` and
 ``distill.sample`` run on it, and ``method=flow_matching`` trains an SD3 transformer from scratch (``+exp=flow_teacher``).
 """
 
