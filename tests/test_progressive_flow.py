@@ -171,3 +171,28 @@ def test_two_cli_rounds_on_the_sd3_teacher_export_students_that_sample_on_their_
                            json.dumps({"load": info["stock"]["load"], "call": call}), PROMPTS[0]], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and not torch.allclose(ours, torch.load(tmp_path / "y.pt"), atol=1e-3)
+
+
+def test_the_server_steps_a_trailing_export_on_its_grid(sd3_dir):
+    """The serving engine sets the scheduler through the family bound to the pipeline (``set_timesteps``): a
+    pipeline registered with sigma_spacing "trailing" gets the sigmas its call would use, the stock spacing
+    otherwise; a copy of the family keeps it."""
+    from distill.families.sd3 import StableDiffusion3Family
+
+    teacher = load_teacher(str(sd3_dir))
+    expected = {}
+    for spacing in ("trailing", "scheduler"):
+        pipe = teacher.family.pipeline(teacher.denoiser, FlowMatchEulerDiscreteScheduler(shift=SD3_SHIFT),
+                                       default_num_inference_steps=2, default_guidance_scale=1.0,
+                                       guidance_distilled=True, sigma_spacing=spacing)
+        family = StableDiffusion3Family.from_pipeline(pipe).copy()
+        sched = FlowMatchEulerDiscreteScheduler(shift=SD3_SHIFT)
+        family.set_timesteps(sched, 2, 8, 8)
+        expected[spacing] = sched.sigmas
+    reference = FlowMatchEulerDiscreteScheduler(shift=SD3_SHIFT)
+    reference.set_timesteps(sigmas=[1.0, 0.5])
+    assert torch.equal(expected["trailing"], reference.sigmas) and expected["trailing"][1].item() == pytest.approx(0.75)
+    reference.set_timesteps(2)
+    assert torch.equal(expected["scheduler"], reference.sigmas) and expected["scheduler"][1].item() < 0.01
+    with pytest.raises(ValueError, match="sigma_spacing='leading'; use one of"):
+        teacher.family.pipeline(teacher.denoiser, FlowMatchEulerDiscreteScheduler(), sigma_spacing="leading")
