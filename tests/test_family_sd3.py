@@ -252,19 +252,21 @@ def test_sample_writes_a_grid_from_the_sd3_folder(sd3_dir, tmp_path):
 
 
 def test_training_on_an_sd3_teacher_is_refused_before_any_compute(sd3_dir, tmp_path):
-    """+exp=consistency_training on the SD3 folder: exit 2 at validation (no run directory), naming the family, the
-    methods that serve it (consistency and progressive; tests/test_consistency_flow.py, tests/test_progressive_flow.py
-    run them) and what else runs."""
-    check_method_serves(sd3_dir, pipeline_configs(sd3_dir), "consistency")  # served
-    with pytest.raises(ValueError, match=r"'sd3' teacher .*method='feature_distillation' cannot train; the methods "
-                                         r"that can: \['consistency', 'progressive'\]"):
-        check_method_serves(sd3_dir, pipeline_configs(sd3_dir), "feature_distillation")
+    """method=diffusion (the plain VP diffusion objective) on the SD3 folder: exit 2 at validation (no run
+    directory), naming the family, the methods that serve it (consistency, progressive and consistency_training;
+    tests/test_consistency_flow.py, tests/test_progressive_flow.py, tests/test_consistency_training_flow.py run them)
+    and what else runs."""
+    for served in ("consistency", "progressive", "consistency_training"):
+        check_method_serves(sd3_dir, pipeline_configs(sd3_dir), served)
+    with pytest.raises(ValueError, match=r"'sd3' teacher .*method='diffusion' cannot train; the methods "
+                                         r"that can: \['consistency', 'progressive', 'consistency_training'\]"):
+        check_method_serves(sd3_dir, pipeline_configs(sd3_dir), "diffusion")
     run_dir = tmp_path / "run"
-    proc = run_train("+exp=consistency_training", f"teacher.pretrained_model_name_or_path={sd3_dir}",
+    proc = run_train("+exp=consistency_training", "method=diffusion", f"teacher.pretrained_model_name_or_path={sd3_dir}",
                      f"hydra.run.dir={run_dir}", "logger=csv", timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("is a 'sd3' teacher (StableDiffusion3Family, flow matching), which method='consistency_training' cannot "
-            "train; the methods that can: ['consistency', 'progressive']") in proc.stderr
+    assert ("is a 'sd3' teacher (StableDiffusion3Family, flow matching), which method='diffusion' cannot "
+            "train; the methods that can: ['consistency', 'progressive', 'consistency_training']") in proc.stderr
     assert "python -m distill.evaluate pipeline=" in proc.stderr and "python -m distill.sample" in proc.stderr
     assert not run_dir.exists()
 
@@ -277,9 +279,9 @@ def test_a_hub_sd3_teacher_is_refused_from_its_configs_before_its_weights(sd3_di
     fetched = hub_from_folder(monkeypatch, sd3_dir)  # SD3 has no unet/
     monkeypatch.setattr(StableDiffusion3Pipeline, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("weights loaded before the family check")))
-    cfg = compose("+exp=consistency_training", "teacher.pretrained_model_name_or_path=someone/sd3-medium")
-    with pytest.raises(ValueError, match="'someone/sd3-medium' is a 'sd3' teacher .*method='consistency_training' "
-                                         "cannot"):
+    cfg = compose("+exp=consistency_training", "method=diffusion",
+                  "teacher.pretrained_model_name_or_path=someone/sd3-medium")
+    with pytest.raises(ValueError, match="'someone/sd3-medium' is a 'sd3' teacher .*method='diffusion' cannot"):
         _check_method_serves_teacher(cfg)
     assert fetched == ["model_index.json", "scheduler/scheduler_config.json", "unet/config.json",
                        "transformer/config.json"]

@@ -13,6 +13,11 @@ parametrisation.
   paper's 8: 200k iterations, one stage per 25k), so t - r halves at each and shrinks towards the consistency limit; loss sqrt(||delta||^2 + c^2) - c (c = 0: the L2 norm, the paper's
   adaptive weighting with p = 1/2) weighted by 1 / (t - r).
 
+On a flow-matching model (x_t = (1 - t) x0 + t eps) the same pairs are drawn in sigma and the network is called at
+flow time t = sigma / (1 + sigma) (``flow_time``) on x_t = (1 - t)(x0 + sigma eps), since x_t / (1 - t) = x0 +
+t / (1 - t) eps: the flow consistency function is ECT's f(x0 + sigma eps, sigma) in another coordinate, and the
+loss, weight 1 / (sigma_t - sigma_r) = (1 - t)(1 - r) / (t - r) in flow times, is ECT's unchanged.
+
 All functions are pure (tensors in, tensors out); the training method is ``distill.methods.consistency_training``.
 """
 
@@ -76,6 +81,12 @@ def ect_stage(step: int, total_steps: int, stages: int) -> int:
     if total_steps < 1 or stages < 1:
         raise ValueError(f"total_steps={total_steps}, stages={stages}: both must be >= 1")
     return min(stages - 1, step * stages // total_steps)
+
+
+def flow_time(sigma: torch.Tensor) -> torch.Tensor:
+    """t = sigma / (1 + sigma): the flow time whose x_t = (1 - t) x0 + t eps is (1 - t)(x0 + sigma eps), the inverse of
+    the flow schedule's noise level t / (1 - t); sigma = 0 is t = 0 (the data)."""
+    return sigma / (1 + sigma)
 
 
 def lognormal_sigmas(n: int, p_mean: float = -1.1, p_std: float = 2.0, generator: torch.Generator | None = None,

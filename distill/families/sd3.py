@@ -9,7 +9,8 @@ conditioner and the export take it as a setting (``max_sequence_length``).
 
 Consistency distillation (``method=consistency``: Euler steps of the flow ODE, exported with
 ``FlowMatchLCMScheduler``, ``scheduler=flow_lcm``) and progressive distillation (``method=progressive``: flow Euler
-steps, the student sampled on the trailing sigmas it learned, ``sigma_spacing``) serve this family; the other
+steps, the student sampled on the trailing sigmas it learned, ``sigma_spacing``) and ECT (``method=consistency_training``:
+ECT's noise-level pairs at flow times sigma / (1 + sigma), sampled with ``scheduler=flow_lcm``) serve this family; the other
 training methods step the discrete VP schedule at integer timesteps, and a run of one on an SD3 teacher is refused
 before anything loads. ``distill.evaluate`` and
 ``distill.sample`` run on it, and ``method=flow_matching`` trains an SD3 transformer from scratch (``+exp=flow_teacher``).
@@ -185,7 +186,8 @@ class StableDiffusion3Family(ModelFamily):
     pipeline_class = DistillSD3Pipeline
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
-    methods = ("consistency", "progressive")  # the others step the discrete VP schedule at integer timesteps
+    # the others step the discrete VP schedule at integer timesteps
+    methods = ("consistency", "progressive", "consistency_training")
     flow_matching = True
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 

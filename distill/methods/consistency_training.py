@@ -12,6 +12,12 @@ Parametrisations, each exported with the diffusers scheduler that samples with e
   x_tau + c_out(tau) x0(x_tau, tau), where x_tau = (x0 + sigma eps) / sqrt(1 + sigma^2) and tau is the teacher's
   (continuous) timestep of noise level sigma; exported with ``LCMScheduler`` (it hard-codes sigma_data 0.5;
   timestep_scaling 10 is written to its config). ECT's t and r are noise levels sigma, as in the paper.
+- ``ect`` on a flow-matching teacher (SD3, ``+exp=consistency_training_flow``): the pairs drawn and mapped in sigma as
+  above, the network called at flow time t = sigma / (1 + sigma) on x_t = (1 - t)(x0 + sigma eps) = (1 - t) x0 + t eps
+  (one eps for both points, on the straight path), with the flow consistency function f(x_t, t) = x_t - t v
+  (``flow_boundary_scalings``: c_skip = 1, c_out = -t, f(x0, 0) = x0 exactly); the weight stays ECT's
+  1 / (sigma_t - sigma_r), (1 - t)(1 - r) / (t - r) in flow times. Exported with ``FlowMatchLCMScheduler``
+  (``scheduler=flow_lcm``: x0 = x_t - t v, re-noised to the next sigma). iCT (EDM's VE network) is refused there.
 """
 
 from __future__ import annotations
@@ -22,10 +28,16 @@ from typing import Literal
 import torch
 from torch import nn
 
+from distill.diffusion import FlowMatchingSchedule, to_x0_eps
 from distill.diffusion import consistency_training as ct
-from distill.diffusion import to_x0_eps
-from distill.diffusion.consistency import boundary_scalings, consistency_output, ict_huber_c
+from distill.diffusion.consistency import (
+    boundary_scalings,
+    consistency_output,
+    flow_boundary_scalings,
+    ict_huber_c,
+)
 from distill.diffusion.noise import stratified_unit
+from distill.inference.schedulers import check_scheduler_kind, make_scheduler, scheduler_options
 from distill.methods import METHODS
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.conditioning import take_conditions
@@ -38,7 +50,13 @@ VARIANTS = ("ict", "ect")
 @METHODS.register("consistency_training")
 class ConsistencyTraining(TeacherStudentDistillation):
     """f_theta(x_t) ~ stopgrad f_theta(x_r) for two noise levels r < t of one noisy trajectory (shared eps); the
-    pairs, weights and distances are iCT's or ECT's (``variant``)."""
+    pairs, weights and distances are iCT's or ECT's (``variant``).
+
+    On a flow-matching teacher (``FlowMatchingSchedule``) ECT tunes a copy of its transformer: t and r are drawn and
+    mapped as ECT's noise levels sigma (its lognormal p(sigma), truncated to the levels of flow times [1/T, 1 - 1/T],
+    rather than the teacher's own logit-normal time distribution: the pairs and weights are then the paper's), the
+    network sees flow time sigma / (1 + sigma), and f(x_t, t) = x_t - t v is what ``FlowMatchLCMScheduler`` samples
+    with."""
 
     method_name = "consistency_training"
 
@@ -80,6 +98,11 @@ class ConsistencyTraining(TeacherStudentDistillation):
             raise ValueError(f"method.stages={stages} must be >= 1 (ECT's mapping needs at least one stage)")
         if p_std <= 0 or sigma_data <= 0:
             raise ValueError(f"method.p_std={p_std}, method.sigma_data={sigma_data}: both must be > 0")
+        if variant == "ict" and teacher.family is not None and isinstance(teacher.family.schedule, FlowMatchingSchedule):
+            raise ValueError(f"method.variant=ict on the flow-matching teacher {teacher.source!r}: iCT trains a fresh "
+                             "network in EDM's variance-exploding parametrisation (CMStochasticIterativeScheduler), "
+                             "which a flow model does not sample with; use method.variant=ect (the teacher's "
+                             "transformer tuned, sampled with scheduler=flow_lcm: +exp=consistency_training_flow)")
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=1.0, guidance_scale_max=1.0,
                          cache_prompts=cache_prompts, **speed)
         if self.w_dim is not None:
@@ -98,14 +121,16 @@ class ConsistencyTraining(TeacherStudentDistillation):
         if self.noise.preconditioning != "none":
             raise ValueError(f"method.noise.preconditioning={self.noise.preconditioning}: consistency training has its "
                              "own parametrisation (iCT: EDM's; ECT: the teacher's); set it to none")
+        self.flow = isinstance(self.schedule, FlowMatchingSchedule)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
         self.variant, self.p_mean, self.p_std, self.sigma_data = variant, p_mean, p_std, sigma_data
         self.sigma_min, self.sigma_max, self.rho, self.s0, self.s1 = sigma_min, sigma_max, rho, s0, s1
         self.curriculum_steps, self.huber_c = curriculum_steps, huber_c
         self.q, self.k, self.b, self.stages, self.ect_c = q, k, b, stages, ect_c
         self.timestep_scaling = timestep_scaling
-        default = {"name": "cm" if variant == "ict" else "lcm", "num_inference_steps": 2, "guidance_scale": 1.0}
-        self.sampling = dict(sampling or default)
+        name = "flow_lcm" if self.flow else "cm" if variant == "ict" else "lcm"
+        self.sampling = dict(sampling or {"name": name, "num_inference_steps": 2, "guidance_scale": 1.0})
+        check_scheduler_kind(self.sampling["name"], self.noise_scheduler_config)  # before any sample grid or export
 
     # ------------------------------------------------------------------ networks
 
@@ -115,6 +140,11 @@ class ConsistencyTraining(TeacherStudentDistillation):
     def _consistency_fn(self, net: nn.Module, x: torch.Tensor, sigma: torch.Tensor, cond: dict) -> torch.Tensor:
         """f(x0 + sigma eps, sigma) in x0 space, from the VE-view sample ``x`` = x0 + sigma eps."""
         shape = (-1,) + (1,) * (x.ndim - 1)
+        if self.flow:  # x_t = (1 - t) x = (1 - t) x0 + t eps at flow time t = sigma / (1 + sigma)
+            t = ct.flow_time(sigma.double())
+            x_t = x * (1 - t).to(x).view(shape)
+            out = self.family.denoise(net, x_t, t.float(), cond).float()
+            return consistency_output(x_t, self.schedule.velocity(out, x_t, t.float()), *flow_boundary_scalings(t))
         if self.variant == "ict":
             c_skip, c_out = ct.edm_boundary_scalings(sigma.double(), self.sigma_data, self.sigma_min)
             c_in, c_noise = ct.edm_input_scalings(sigma.double(), self.sigma_data)
@@ -146,15 +176,25 @@ class ConsistencyTraining(TeacherStudentDistillation):
         i, iw = self.draw_time_bins(n, sigmas[:-1], generator, target=p)
         return sigmas[i], sigmas[i + 1], i, iw
 
+    def noise_range(self) -> tuple[float, float]:
+        """The noise levels ECT's t is truncated to. VP: those of timesteps 1 and T - 1 (at timestep 0 LCM's c_out is
+        0: the network's output would drop out, so a clamped draw would train nothing). Flow: those of flow times
+        1 / T and 1 - 1 / T, 1 / (T - 1) and T - 1 (t = 1, pure noise, is an infinite level; c_out = -t vanishes at
+        t = 0), the ends of the flow scheduler's unshifted training table."""
+        if self.flow:
+            T = self.schedule.num_train_timesteps
+            lo, hi = self.schedule.noise_level(torch.tensor([1.0 / T, 1.0 - 1.0 / T], dtype=torch.float64)).tolist()
+            return lo, hi
+        levels = self.schedule.ve_sigmas
+        return float(levels[1]), float(levels[-1])
+
     def ect_pairs(self, n: int, step: int, generator: torch.Generator | None = None):
-        """(r, t, None, None) for n examples: t lognormal truncated to the teacher's noise range above its first
-        timestep (at timestep 0 LCM's c_out is 0: the network's output would drop out, so a clamped draw would train
-        nothing), at stratified quantiles with ``method.noise.stratified``; r = ECT's mapping of t."""
+        """(r, t, None, None) for n examples, noise levels sigma: t lognormal truncated to ``noise_range``, at
+        stratified quantiles with ``method.noise.stratified``; r = ECT's mapping of t."""
         m = self.distinct_rows(n)  # antithetic pairs: their partners repeat the times
         unit = stratified_unit(m, generator) if self.noise.stratified else None
-        levels = self.schedule.ve_sigmas
-        t = self.paired(ct.truncated_lognormal_sigmas(m, float(levels[1]), float(levels[-1]), self.p_mean, self.p_std,
-                                                      generator, unit=unit), n)
+        t = self.paired(ct.truncated_lognormal_sigmas(m, *self.noise_range(), self.p_mean, self.p_std, generator,
+                                                      unit=unit), n)
         # step 0 is stage 0 for any length (a loss called outside a Trainer has no max_steps to read)
         stage = ct.ect_stage(step, self._curriculum_total(), self.stages) if step else 0
         return ct.ect_r(t, stage, self.q, self.k, self.b), t, None, None
@@ -176,7 +216,7 @@ class ConsistencyTraining(TeacherStudentDistillation):
         with torch.no_grad(), no_routing_record(self.student):  # the same weights under stop-gradient
             if self.variant == "ict":
                 f_r = self._consistency_fn(self.student, x0 + r.to(x0).view(shape) * eps, r, cond)
-            else:  # r = 0: the target is the data (the mapping's diffusion-training start)
+            else:  # r = 0: the target is the data (the mapping's diffusion-training start; f's boundary on flow)
                 live = r > 0
                 f_r = x0.clone()
                 if live.any():
@@ -184,7 +224,8 @@ class ConsistencyTraining(TeacherStudentDistillation):
                     f_r[idx] = self._consistency_fn(self.student, x0[idx] + r[idx].to(x0).view(shape) * eps[idx],
                                                     r[idx], take_conditions(cond, idx))
         # both: lambda(t, r) d(f_t, f_r) with lambda = 1 / (t - r) (iCT: 1 / (sigma_{i+1} - sigma_i)) and the
-        # per-example pseudo-Huber distance sqrt(||.||^2 + c^2) - c (iCT: c = 0.00054 sqrt(d); ECT: c = 0, the norm)
+        # per-example pseudo-Huber distance sqrt(||.||^2 + c^2) - c (iCT: c = 0.00054 sqrt(d); ECT: c = 0, the norm);
+        # t and r are noise levels on flow too (f is in x0 space either way)
         c = (self.huber_c if self.huber_c is not None else ict_huber_c(x0[0].numel())) if self.variant == "ict" \
             else self.ect_c
         per_example = ct.ect_loss(f_t, f_r, t, r, c)
@@ -199,10 +240,10 @@ class ConsistencyTraining(TeacherStudentDistillation):
         return self.sampling["num_inference_steps"]
 
     def sampling_scheduler(self, name: str | None = None):
-        """The training parametrisation's scheduler (``cm`` for iCT, ``lcm`` for ECT) or another by ``name``."""
-        from distill.inference.schedulers import make_scheduler, scheduler_options
-
+        """The training parametrisation's scheduler (``cm`` for iCT, ``lcm`` for ECT, ``flow_lcm`` for ECT on a flow
+        teacher) or another by ``name``."""
         name = name or self.sampling["name"]
+        check_scheduler_kind(name, self.noise_scheduler_config)  # before the VP schedulers' own checks below
         options = {} if name == self.sampling["name"] else scheduler_options(name)
         if name == "cm":
             if self.variant != "ict":
@@ -222,19 +263,28 @@ class ConsistencyTraining(TeacherStudentDistillation):
         return make_scheduler(name, self.noise_scheduler_config, **options)
 
     def call_defaults(self) -> dict:
-        """The intended call: the configured steps, no classifier-free guidance (there is no teacher to guide)."""
-        return {"default_num_inference_steps": self.num_inference_steps, "default_guidance_scale": 1.0,
-                "guidance_distilled": False}
+        """The intended call: the configured steps, no classifier-free guidance (there is no teacher to guide). On a
+        flow teacher the steps are at the trailing sigmas shift(linspace(1, 1 / N, N)) (2 steps: t = 1, 0.75 at
+        SD3's shift 3), not FlowMatchLCMScheduler's own N points from 1 to its smallest training sigma (2 steps: 1,
+        0.009, a second step that re-noises almost nothing), as LCMScheduler's 2 steps re-noise to mid-schedule."""
+        defaults = {"default_num_inference_steps": self.num_inference_steps, "default_guidance_scale": 1.0,
+                    "guidance_distilled": False}
+        return {**defaults, "sigma_spacing": "trailing"} if self.flow else defaults
 
     def guidance_source(self) -> str:
         return "no guidance"
 
     def guidance_note(self) -> str:
-        return ("trained by consistency training on conditional samples, with no teacher and no guidance: one UNet "
+        network = "transformer" if self.flow else "UNet"
+        return (f"trained by consistency training on conditional samples, with no teacher and no guidance: one {network} "
                 "evaluation per step at guidance_scale 1 (a higher scale would add an unconditional pass the model "
                 "was not trained for).")
 
     def export_info(self) -> dict:
+        if self.flow:
+            return {"variant": self.variant, "stages": self.stages,
+                    "noise_levels": "sigma lognormal (p_mean, p_std) at flow time t = sigma / (1 + sigma)",
+                    "consistency_function": "f(x_t, t) = x_t - t v (c_skip = 1, c_out = -t on the velocity)"}
         info = {"variant": self.variant, "sigma_data": self.sigma_data if self.variant == "ict" else 0.5}
         if self.variant == "ict":
             info.update(sigma_min=self.sigma_min, sigma_max=self.sigma_max, rho=self.rho)
