@@ -67,6 +67,37 @@ def _transformer(net, x, t, cond):
                pooled_projections=cond["pooled_projections"]).sample
 
 
+def test_a_trailing_solver_grid_holds_the_sampled_steps_sigmas(sd3_dir):
+    """method.sigma_spacing=trailing (+exp=consistency_flow): the grid is set_timesteps(sigmas=linspace(1, 1/48, 48))
+    with SD3's shift, bit for bit, and FlowMatchLCMScheduler given the trailing sigmas of 1, 2, 3, 4, 6, 8 steps
+    steps on its points; a step count that does not divide 48 is refused naming the fix."""
+    from distill.families.base import trailing_sigmas
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.students.copies import copy_student
+
+    def make(steps):
+        return LatentConsistencyDistillation(load_teacher(str(sd3_dir)), copy_student, optimizer=torch.optim.SGD,
+                                             num_ddim_timesteps=48, sigma_spacing="trailing",
+                                             sampling={"name": "flow_lcm", "num_inference_steps": steps,
+                                                       "guidance_scale": 1.0})
+
+    method = make(4)
+    sched = FlowMatchEulerDiscreteScheduler(shift=SD3_SHIFT)
+    sched.set_timesteps(sigmas=trailing_sigmas(48))
+    assert torch.equal(method.solver_timesteps, sched.sigmas[:-1].flip(0))
+    assert torch.equal(method.solver_previous, sched.sigmas[1:].flip(0))
+    lcm = FlowMatchLCMScheduler(shift=SD3_SHIFT)
+    for steps in (1, 2, 3, 4, 6, 8):
+        lcm.set_timesteps(sigmas=trailing_sigmas(steps))
+        assert bool(torch.isin(lcm.sigmas[:-1], method.solver_timesteps).all()), steps
+    lcm.set_timesteps(2)  # the scheduler's own spacing: its second step is at its smallest sigma
+    assert lcm.sigmas[1].item() < 0.01
+    assert method.call_defaults()["sigma_spacing"] == "trailing"
+    with pytest.raises(ValueError, match="num_inference_steps=5 samples sigmas .* off the method.num_ddim_timesteps=48 "
+                                         "grid .*a step count that divides 48"):
+        make(5)
+
+
 def test_the_solver_grid_is_the_teachers_shifted_sigmas(method):
     """t_n and t_{n-1} are consecutive sigmas of FlowMatchEulerDiscreteScheduler.set_timesteps(50) with SD3's shift,
     bit for bit; the last step lands on 0, the first starts at pure noise."""
@@ -232,10 +263,13 @@ def test_two_cli_steps_on_the_sd3_teacher_export_a_flow_lcm_pipeline(sd3_dir, tm
     assert (counter.calls, counter.examples) == (4, 4) and ours.shape == (1, 1, 32, 32)
     assert torch.isfinite(ours).all() and ours.std() > 0
     # the card's stock call: its step count, guidance 1 (distilled) and the T5 token count; T5 loaded as None
-    assert info["stock"] == {"call": {"max_sequence_length": index["default_max_sequence_length"]},
+    assert index["sigma_spacing"] == "trailing"  # the preset's grid: 4 steps at shift(1, 0.75, 0.5, 0.25)
+    assert info["stock"] == {"call": {"max_sequence_length": index["default_max_sequence_length"],
+                                      "sigmas": [1.0, 0.75, 0.5, 0.25]},
                              "load": ["text_encoder_3", "tokenizer_3"]}
     card = (export / "README.md").read_text()
     assert "num_inference_steps=4, guidance_scale=1.0, max_sequence_length=" in card and "text_encoder_3=None" in card
+    assert "sigmas=[1.0, 0.75, 0.5, 0.25]" in card
     call = {"num_inference_steps": 4, "guidance_scale": 1.0, **info["stock"]["call"]}
     (tmp_path / "stock.py").write_text(STOCK_SD3)
     proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(export), str(tmp_path / "x.pt"),

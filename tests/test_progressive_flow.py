@@ -48,12 +48,12 @@ def method(sd3_dir):
 
 def test_the_student_grid_is_the_euler_schedulers_on_the_trailing_sigmas(method):
     """t_i = shift(i / N): FlowMatchEulerDiscreteScheduler(shift 3).set_timesteps(sigmas=linspace(1, 1/N, N)) gives
-    t_N..t_1 and the final 0, to float32 rounding; the 2N-step teacher grid holds every student point."""
+    t_N..t_1 and the final 0 bit for bit; the 2N-step teacher grid holds every student point."""
     for n in (1, 2, 4, 8):
         sched = FlowMatchEulerDiscreteScheduler(shift=SD3_SHIFT)
         sched.set_timesteps(sigmas=trailing_sigmas(n))
         ours = method._times(torch.arange(n, -1, -1), n)
-        torch.testing.assert_close(ours, sched.sigmas, rtol=0, atol=2e-7)
+        assert torch.equal(ours, sched.sigmas), n
         assert ours[0].item() == 1.0 and ours[-1].item() == 0.0
         assert torch.equal(method._times(2 * torch.arange(n + 1), 2 * n), method._times(torch.arange(n + 1), n))
     assert trailing_sigmas(4) == [1.0, 0.75, 0.5, 0.25]
@@ -109,6 +109,25 @@ def test_the_truncated_snr_weight_of_a_velocity_loss_is_the_x0_loss():
             torch.testing.assert_close(weighted, v_err)
 
 
+def test_what_a_flow_student_cannot_do_is_refused_before_compute(sd3_dir, tmp_path):
+    """+exp=progressive (scheduler=ddim) on the SD3 folder, a w-conditioned stage and min-SNR weighting: exit 2 at
+    validation, naming the setting and the fix, before a run directory exists (the export used to fail only after
+    a round of training)."""
+    for override, message in (("scheduler=ddim", "scheduler.name='ddim' on the flow-matching teacher .*use "
+                                                 "scheduler=flow_euler"),
+                              ("method.guided_stage_steps=10", "method.guided_stage_steps=10 on the flow-matching "
+                                                               "teacher .*set method.guided_stage_steps=0"),
+                              ("method.loss_weighting=min_snr", "the SNR is 0 at t = 1, so the student's first step")):
+        run_dir = tmp_path / override.replace("=", "_")
+        proc = run_train("+exp=progressive_flow", f"teacher.pretrained_model_name_or_path={sd3_dir}", override,
+                         f"hydra.run.dir={run_dir}", "logger=csv", timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        import re
+
+        assert re.search(message, proc.stderr), proc.stderr[-2000:]
+        assert not run_dir.exists()
+
+
 def test_a_vp_student_prediction_on_a_flow_teacher_and_a_resolution_shifted_teacher_are_refused(sd3_dir, tmp_path):
     with pytest.raises(ValueError, match="student_prediction_type='v_prediction' on the flow-matching teacher .*"
                                          "set method.student_prediction_type=flow_prediction"):
@@ -119,14 +138,15 @@ def test_a_vp_student_prediction_on_a_flow_teacher_and_a_resolution_shifted_teac
         _method(folder)
 
 
-FAST = ["callbacks.quality_cost=null", "data.batch_size=4", "method.start_steps=4", "method.final_steps=2",
+FAST = ["callbacks.quality_cost=null", "data.batch_size=4", "method.start_steps=8", "method.final_steps=2",
         "method.steps_per_round=1", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
         "trainer.limit_val_batches=1", "trainer.val_check_interval=2", "checkpoint.every_n_train_steps=1",
         "sample_grid_seeds=1", "logger=csv"]
 
 
 def test_two_cli_rounds_on_the_sd3_teacher_export_students_that_sample_on_their_grid(sd3_dir, tmp_path):
-    """+exp=progressive_flow on the SD3 folder, start 4 -> final 2 steps, one step a round: each round exports a
+    """+exp=progressive_flow on the SD3 folder, start 8 -> 4 -> 2 steps, one step a round (the second round's teacher
+    is the first round's velocity student): each round exports a
     DistillSD3Pipeline on FlowMatchEulerDiscreteScheduler with sigma_spacing "trailing"; from_pretrained samples the
     2-step student with 2 transformer passes of 1 example (guidance distilled) at sigmas shift(1), shift(1/2), and the
     stock StableDiffusion3Pipeline, called with the card's arguments (sigmas included) in a process that does not
@@ -137,7 +157,9 @@ def test_two_cli_rounds_on_the_sd3_teacher_export_students_that_sample_on_their_
     proc = run_train("+exp=progressive_flow", f"teacher.pretrained_model_name_or_path={sd3_dir}", *FAST,
                      f"hydra.run.dir={run_dir}", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(p.name for p in (run_dir / "rounds").iterdir()) == ["002-steps"]
+    assert sorted(p.name for p in (run_dir / "rounds").iterdir()) == ["002-steps", "004-steps"]
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert state["progressive"] == {"round_index": 1, "guidance_scale": 1.0, "teacher_prediction_type": "flow_prediction"}
     export = run_dir / "export"
     index = json.loads((export / "model_index.json").read_text())
     assert index["_class_name"] == "DistillSD3Pipeline"
@@ -157,6 +179,7 @@ def test_two_cli_rounds_on_the_sd3_teacher_export_students_that_sample_on_their_
     assert seen == pytest.approx([1000.0, 1000.0 * SD3_SHIFT * 0.5 / (1 + (SD3_SHIFT - 1) * 0.5)])
     card = (export / "README.md").read_text()
     assert "num_inference_steps=2, guidance_scale=1.0, max_sequence_length=" in card and "sigmas=[1.0, 0.5]" in card
+    assert "for M steps pass `num_inference_steps=M, sigmas=numpy.linspace(1, 1 / M, M).tolist()`" in card
     call = {"num_inference_steps": 2, "guidance_scale": 1.0, **info["stock"]["call"]}
     (tmp_path / "stock.py").write_text(STOCK_SD3)
     proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(export), str(tmp_path / "x.pt"),

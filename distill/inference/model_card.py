@@ -105,9 +105,12 @@ def _stock_note(info: dict) -> str:
                            *(f"{k}={v}" for k, v in extras["call"].items())])
     load = (f" Load it with `{stock}.from_pretrained(<this folder>, {', '.join(f'{n}=None' for n in extras['load'])})`"
             " (the folder has none of these components)." if extras["load"] else "")
+    grid = (" The sigmas are the grid the model was trained on; for M steps pass "
+            "`num_inference_steps=M, sigmas=numpy.linspace(1, 1 / M, M).tolist()` (given sigmas, the pipeline ignores "
+            "`num_inference_steps`)." if "sigmas" in extras["call"] else "")
     return (f"\nWith diffusers' stock `{stock}` (still after the import above, for distill's "
             f"component classes), pass the call explicitly: `{arguments}`{why}; its own defaults ({steps} steps, "
-            f"guidance {scale}) are not this model's.{load}\n")
+            f"guidance {scale}) are not this model's.{load}{grid}\n")
 
 
 def stock_call(pipeline: str) -> tuple[str, int, float]:

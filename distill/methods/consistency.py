@@ -21,6 +21,7 @@ from distill.diffusion.consistency import (
     flow_solver_grid,
 )
 from distill.diffusion.flow import euler_step
+from distill.families.base import SIGMA_SPACINGS, trailing_sigmas
 from distill.methods import METHODS
 from distill.methods.checks import check_guidance_range
 from distill.methods.distillation import TeacherStudentDistillation
@@ -29,7 +30,7 @@ from distill.models.teacher import Teacher
 from distill.utils.optim import ema_update_, step_applied
 
 
-@METHODS.register("consistency", choices={"loss_type": CONSISTENCY_LOSSES})
+@METHODS.register("consistency", choices={"loss_type": CONSISTENCY_LOSSES, "sigma_spacing": SIGMA_SPACINGS})
 class LatentConsistencyDistillation(TeacherStudentDistillation):
     """A student f(x_t, t, c, w) = c_skip x_t + c_out x0_student learns to map every point of the teacher's
     guided PF-ODE to the same x0: f_student(x_{t_n}) ~ f_target(x_{t_{n-k}}), where x_{t_{n-k}} is one
@@ -63,6 +64,10 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         # the training images' side in pixels (conf/method/consistency.yaml: data.resolution); read only where the
         # teacher's scheduler shifts by resolution (use_dynamic_shifting: Flux), whose grid is built at its mu
         resolution: int | None = None,
+        # on a flow teacher with a static shift (SD3): "scheduler", the grid is the scheduler's own N sigmas (1 to its
+        # smallest training sigma); "trailing", shift(linspace(1, 1/N, N)) and the export samples its steps on the
+        # trailing sigmas of those counts (sigma_spacing in model_index.json), which lie on the grid where they divide N
+        sigma_spacing: str = "scheduler",
         # classifier-free guidance scales (w + 1) sampled per example: diffusers' LCM distillation script samples
         # its w (guidance = w + 1) uniformly in [5, 15] for Stable Diffusion; +exp=consistency narrows it for the embedded default
         guidance_scale_min: float = 6.0,
@@ -97,6 +102,9 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         self.teacher_guidance_embedded = self.family.guidance_embedded(self.teacher_unet)
         self.student_guidance_embedded = self.family.guidance_embedded(self.student)
         self.resolution, self.latent_size, self.mu = resolution, None, None
+        if sigma_spacing not in SIGMA_SPACINGS:
+            raise ValueError(f"method.sigma_spacing={sigma_spacing!r}; use one of {list(SIGMA_SPACINGS)}")
+        self.sigma_spacing = sigma_spacing
         if self.flow:  # the teacher pipeline's N-step sigmas: t_n -> t_{n-1}, the last step to t = 0
             grid, previous = flow_solver_grid(self._flow_sigmas(num_ddim_timesteps, resolution))
         else:  # LCM's skipping-step grid: t_n -> t_n - k, k = T / N
@@ -113,7 +121,12 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         (SD3); under a resolution shift (Flux) those at mu of ``resolution``'s latents, where the student's sampling
         sigmas must lie too (their steps a divisor of N) for it to be sampled where it was trained."""
         if not self.schedule.use_dynamic_shifting:
-            return self.schedule.inference_sigmas(num_ddim_timesteps)[0]
+            if self.sigma_spacing == "scheduler":
+                return self.schedule.inference_sigmas(num_ddim_timesteps)[0]
+            sigmas = self.schedule.inference_sigmas(sigmas=trailing_sigmas(num_ddim_timesteps))[0]
+            self._check_on_grid(sigmas, self.schedule.inference_sigmas(
+                sigmas=trailing_sigmas(self.sampling["num_inference_steps"]))[0], num_ddim_timesteps)
+            return sigmas
         if not self.family.resolution_shift:
             raise ValueError(f"method=consistency on {self.teacher_source!r}: its scheduler shifts the sigmas by the "
                              f"image's resolution (use_dynamic_shifting), which the {type(self.family).__name__}'s "
@@ -130,13 +143,18 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         self.mu = self.family.shift_mu(size, size)
         sigmas = self.family.inference_sigmas(num_ddim_timesteps, size, size)[0]
         steps = self.sampling["num_inference_steps"]
-        sampled = self.family.inference_sigmas(steps, size, size)[0]
-        if not bool(torch.isin(sampled, sigmas).all()):
-            raise ValueError(f"scheduler.num_inference_steps={steps} samples sigmas {sampled.tolist()} off the "
-                             f"method.num_ddim_timesteps={num_ddim_timesteps} grid the student is trained on (at mu="
-                             f"{self.mu:.4f}); use a step count that divides {num_ddim_timesteps}, or set "
-                             f"method.num_ddim_timesteps to a multiple of {steps}")
+        self._check_on_grid(sigmas, self.family.inference_sigmas(steps, size, size)[0], num_ddim_timesteps,
+                            f" (at mu={self.mu:.4f})")
         return sigmas
+
+    def _check_on_grid(self, grid: torch.Tensor, sampled: torch.Tensor, num_ddim_timesteps: int, where: str = ""):
+        """Refuse an intended step count whose sigmas are not points of the solver grid."""
+        steps = self.sampling["num_inference_steps"]
+        if not bool(torch.isin(sampled, grid).all()):
+            raise ValueError(f"scheduler.num_inference_steps={steps} samples sigmas {sampled.tolist()} off the "
+                             f"method.num_ddim_timesteps={num_ddim_timesteps} grid the student is trained on{where}; "
+                             f"use a step count that divides {num_ddim_timesteps}, or set method.num_ddim_timesteps "
+                             f"to a multiple of {steps}")
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -283,6 +301,8 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
             defaults.update(default_guidance_scale=self.sampling["guidance_scale"], guidance_distilled=False)
         if self.latent_size is not None:
             defaults.update(self.family.resolution_defaults(self.latent_size, self.latent_size))
+        if self.flow and not self.schedule.use_dynamic_shifting and self.sigma_spacing == "trailing":
+            defaults["sigma_spacing"] = "trailing"
         return defaults
 
     def cfg_pass(self, defaults: dict) -> bool:
@@ -294,8 +314,10 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         if not self.flow:
             return {**info, "timestep_scaling": self.timestep_scaling}
         shift = "" if self.mu is None else f" at mu={self.mu:.6g} of the {self.resolution}px training images"
+        spacing = (" (trailing: shift(linspace(1, 1/N, N)))" if self.sigma_spacing == "trailing"
+                   and not self.schedule.use_dynamic_shifting else "")
         info.update(solver=f"Euler steps of the guided teacher's flow ODE on its pipeline's {self.num_ddim_timesteps}-"
-                           f"step shifted sigmas{shift}",
+                           f"step shifted sigmas{spacing}{shift}",
                     consistency_function="f(x_t, t) = x_t - t v (c_skip = 1, c_out = -t on the velocity)")
         if self.mu is not None:  # the export samples at this resolution, and so at this mu, by default
             info.update(resolution=self.resolution, latent_size=self.latent_size, mu=self.mu)

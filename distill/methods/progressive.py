@@ -44,6 +44,7 @@ from distill.diffusion.flow import FLOW_PREDICTION_TYPES
 from distill.diffusion.losses import WEIGHTINGS
 from distill.diffusion.parametrization import PREDICTION_TYPES
 from distill.diffusion.progressive import progressive_x_target, round_schedule
+from distill.families.base import trailing_sigmas
 from distill.inference.schedulers import grid_timesteps
 from distill.methods import METHODS
 from distill.methods.checks import check_guidance_range, is_sharded
@@ -100,6 +101,9 @@ class ProgressiveDistillation(TeacherStudentDistillation):
             self.student.register_to_config(edm_prediction_type=student_prediction_type)
         self.guidance_scale = guidance_scale
         self.guided_stage_steps = guided_stage_steps
+        if self.flow:
+            check_flow_settings(guided_stage_steps, loss_weighting, (sampling or {}).get("name", "flow_euler"),
+                                self.teacher_source)
         if guided_stage_steps > 0 and self.w_dim is None:
             raise ValueError("method.guided_stage_steps > 0 trains a w-conditioned student; use student=copy with "
                              "student.time_cond_proj_dim=256 (it is null)")
@@ -175,8 +179,9 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         """Time of grid point i on a ``steps``-step grid; i = 0 is the clean end. VP: the DDIM grid's integer
         timestep (index T: the clean sample), as the exported GridDDIMScheduler samples. Flow: t = shift(i / steps),
         as FlowMatchEulerDiscreteScheduler shifts the sigmas linspace(1, 1 / N, N) and ends at 0."""
-        if self.flow:
-            return self.schedule.shift_times(i.double() / steps).float()
+        if self.flow:  # the scheduler's own float32 arithmetic, so that sampling steps on these very points
+            sigmas = self.schedule.inference_sigmas(sigmas=trailing_sigmas(steps))[0].to(i.device)  # t_N .. t_1, 0
+            return sigmas[steps - i]
         return grid_timesteps(i, steps, self.num_train_timesteps)
 
     def _scales(self, n: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -311,14 +316,34 @@ class ProgressiveDistillation(TeacherStudentDistillation):
 
             sched = teacher / "scheduler" / "scheduler_config.json"
             config = json.loads(sched.read_text()) if sched.is_file() else {}
-            if is_flow_matching(config):
-                return  # Euler steps of the flow ODE (the family says whether progressive serves it)
+            if is_flow_matching(config):  # Euler steps of the flow ODE (the family says whether progressive serves it)
+                check_flow_settings(method.guided_stage_steps, str(getattr(method.loss_weighting, "value",
+                                                                           method.loss_weighting)),
+                                    str(getattr(cfg.scheduler.name, "value", cfg.scheduler.name)), str(teacher))
+                return
             if "beta_schedule" not in config and "trained_betas" not in config:
                 raise ValueError(
                     f"teacher {str(teacher)!r} has scheduler {config.get('_class_name', 'unknown')!r} without a DDPM "
                     "beta schedule; progressive distillation needs a DDIM-compatible (alphas_cumprod) teacher or a "
                     "flow-matching one (FlowMatchEulerDiscreteScheduler)"
                 )
+
+
+def check_flow_settings(guided_stage_steps: int, loss_weighting: str, scheduler: str, teacher: str) -> None:
+    """What progressive distillation on a flow-matching teacher cannot do: a w-conditioned student (a transformer has
+    no timestep_cond input to add), min-SNR weighting (SNR = 0 at t = 1: the first step from pure noise would weigh 0),
+    a sampler other than flow Euler (the student is trained to take deterministic Euler steps on its grid)."""
+    if guided_stage_steps > 0:
+        raise ValueError(f"method.guided_stage_steps={guided_stage_steps} on the flow-matching teacher {teacher!r}: a "
+                         "w-conditioned student needs a guidance-scale (timestep_cond) input, which a flow transformer "
+                         "does not have; set method.guided_stage_steps=0 (the guidance is then distilled in)")
+    if loss_weighting == "min_snr":
+        raise ValueError(f"method.loss_weighting=min_snr on the flow-matching teacher {teacher!r}: the SNR is 0 at "
+                         "t = 1, so the student's first step (from pure noise) would weigh 0; use truncated_snr or none")
+    if scheduler != "flow_euler":
+        raise ValueError(f"scheduler.name={scheduler!r} on the flow-matching teacher {teacher!r}: a progressive "
+                         "student takes deterministic Euler steps on its grid; use scheduler=flow_euler "
+                         "(+exp=progressive_flow)")
 
 
 def check_student_prediction(prediction_type: str | None, flow: bool, teacher: str) -> str:
