@@ -20,7 +20,9 @@ instance is bound to one model's frozen parts: its noise scheduler (``schedule``
   ``conditioner_of``), for pipeline-level code (classifier guidance, the server), which also calls
   ``denoise_at`` (the network at a sampling scheduler's own timestep), ``unscale_latents`` and
   ``pipeline_call_inputs`` (a condition as the pipeline call's ``prompt_embeds``, ... keyword arguments);
-- ``feature_blocks(network)``, the named blocks feature distillation and feature caching use.
+- ``feature_blocks(network)``, the named blocks feature distillation and feature caching use; for feature
+  distillation also ``block_feature`` (which element of a block's output is the feature),
+  ``feature_block_pairs`` (which teacher block a student block matches) and ``feature_regressor``.
 
 A family instance is a plain object, not a module: the method registers the same VAE, conditioner and schedule
 under its own attribute names, so that they move with it and its checkpoint keys do not change.
@@ -268,6 +270,33 @@ class ModelFamily:
         blocks.update({f"up_blocks.{i}": b for i, b in enumerate(network.up_blocks)})
         return blocks
 
+    # the axis of a block feature that a narrower student's regressor maps: channels of a UNet's (N, C, H, W)
+    feature_width_dim: ClassVar[int] = 1
+
+    @staticmethod
+    def block_feature(output) -> torch.Tensor:
+        """The feature of a feature block's output that feature distillation matches: a down block's hidden states
+        (its first element; the rest are skip tensors), an up or mid block's output as it is."""
+        return output[0] if isinstance(output, tuple) else output
+
+    @classmethod
+    def feature_block_pairs(cls, teacher: nn.Module, student: nn.Module, mid_block: bool = False) -> dict[str, str]:
+        """Student feature block -> the teacher block whose feature it matches, in the teacher's block order: the
+        same name (a pruned or low-rank student keeps the teacher's blocks); a student lacking one is refused."""
+        student_blocks = cls.feature_blocks(student, mid_block)
+        missing = [name for name in cls.feature_blocks(teacher, mid_block) if name not in student_blocks]
+        if missing:
+            raise ValueError(f"the student ({type(student).__name__}) lacks the teacher's feature blocks {missing}: "
+                             "feature distillation matches each block's output by name; use a student with the "
+                             "teacher's block structure (student=pruned or lowrank) or set method.feature_weight=0")
+        return {name: name for name in cls.feature_blocks(teacher, mid_block)}
+
+    @staticmethod
+    def feature_regressor(student_width: int, teacher_width: int) -> nn.Module:
+        """FitNets' regressor (Romero et al. 2015) from a narrower student's feature to the teacher's width: a 1x1
+        convolution over the channels of (N, C, H, W)."""
+        return nn.Conv2d(student_width, teacher_width, 1)
+
     # ------------------------------------------------------------------ export and pipelines
 
     def pipeline(self, network: nn.Module, scheduler, **call_defaults):
@@ -360,6 +389,17 @@ class TransformerCallDefaults:
 
 
 SIGMA_SPACINGS = ("scheduler", "trailing")
+
+
+def evenly_spaced_blocks(num_teacher: int, num_student: int) -> list[int]:
+    """The teacher block each of a shallower student's ``num_student`` blocks stands for: student block j (0-based)
+    -> teacher block (j + 1) * num_teacher // num_student - 1, the last block of the j-th of ``num_student`` equal
+    runs of teacher blocks (the last to the last; every block where the depths are equal). BK-SDM's depth reduction
+    (Kim et al. 2023) keeps a stage's output and drops blocks inside it; a transformer has one stage per block."""
+    if not 1 <= num_student <= num_teacher:
+        raise ValueError(f"a student of {num_student} blocks cannot stand for a teacher of {num_teacher}: give it 1 "
+                         f"to {num_teacher} blocks")
+    return [(j + 1) * num_teacher // num_student - 1 for j in range(num_student)]
 
 
 def trailing_sigmas(num_inference_steps: int) -> list[float]:

@@ -10,8 +10,10 @@ conditioner and the export take it as a setting (``max_sequence_length``).
 Consistency distillation (``method=consistency``: Euler steps of the flow ODE, exported with
 ``FlowMatchLCMScheduler``, ``scheduler=flow_lcm``) and progressive distillation (``method=progressive``: flow Euler
 steps, the student sampled on the trailing sigmas it learned, ``sigma_spacing``) and ECT (``method=consistency_training``:
-ECT's noise-level pairs at flow times sigma / (1 + sigma), sampled with ``scheduler=flow_lcm``) serve this family; the other
-training methods step the discrete VP schedule at integer timesteps, and a run of one on an SD3 teacher is refused
+ECT's noise-level pairs at flow times sigma / (1 + sigma), sampled with ``scheduler=flow_lcm``) and BK-SDM's output
+and feature distillation (``method=feature_distillation``: t drawn as SD3 trains, each joint block's image tokens
+matched, a shallower student's blocks to evenly spaced teacher blocks, ``student=shallow``) serve this family; the
+other training methods step the discrete VP schedule at integer timesteps, and a run of one on an SD3 teacher is refused
 before anything loads. ``distill.evaluate`` and
 ``distill.sample`` run on it, and ``method=flow_matching`` trains an SD3 transformer from scratch (``+exp=flow_teacher``).
 """
@@ -28,6 +30,7 @@ from distill.families.base import (
     SIGMA_SPACINGS,
     ModelFamily,
     TransformerCallDefaults,
+    evenly_spaced_blocks,
     trailing_sigmas,
 )
 from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
@@ -187,7 +190,7 @@ class StableDiffusion3Family(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     # the others step the discrete VP schedule at integer timesteps
-    methods = ("consistency", "progressive", "consistency_training")
+    methods = ("consistency", "progressive", "consistency_training", "feature_distillation")
     flow_matching = True
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 
@@ -277,6 +280,34 @@ class StableDiffusion3Family(ModelFamily):
     def feature_blocks(cls, network: nn.Module, mid_block: bool = False) -> dict[str, nn.Module]:
         """Every joint transformer block (``mid_block`` has no meaning for a transformer)."""
         return {f"transformer_blocks.{i}": block for i, block in enumerate(network.transformer_blocks)}
+
+    feature_width_dim = -1  # a block feature is (N, T, D): image tokens x width
+
+    @staticmethod
+    def block_feature(output: tuple) -> torch.Tensor:
+        """The image tokens (N, T, D): ``JointTransformerBlock`` returns (encoder_hidden_states, hidden_states), the
+        text stream first (None after the last block, ``context_pre_only``)."""
+        return output[1]
+
+    @classmethod
+    def feature_block_pairs(cls, teacher: nn.Module, student: nn.Module, mid_block: bool = False) -> dict[str, str]:
+        """Student block j of L_s -> teacher block (j + 1) L_t // L_s - 1 (``evenly_spaced_blocks``: the same index
+        at equal depth; the block ending each of L_s equal runs of teacher blocks, the last to the last, for a
+        shallower student such as ``student=shallow``, which starts from those very blocks). A deeper student is
+        refused."""
+        num_teacher, num_student = len(teacher.transformer_blocks), len(student.transformer_blocks)
+        if num_student > num_teacher:
+            raise ValueError(f"the student has {num_student} transformer blocks, the teacher {num_teacher}: feature "
+                             "distillation matches each student block to a teacher block; use a student of at most "
+                             f"{num_teacher} blocks (student=shallow student.num_layers=...) or set "
+                             "method.feature_weight=0")
+        return {f"transformer_blocks.{j}": f"transformer_blocks.{i}"
+                for j, i in enumerate(evenly_spaced_blocks(num_teacher, num_student))}
+
+    @staticmethod
+    def feature_regressor(student_width: int, teacher_width: int) -> nn.Module:
+        """FitNets' regressor on the token width: a linear map D_s -> D_t applied to every token."""
+        return nn.Linear(student_width, teacher_width)
 
     def pipeline(self, network: nn.Module, scheduler, **call_defaults) -> DistillSD3Pipeline:
         c = self.conditioner

@@ -15,6 +15,14 @@ An addition to BK-SDM, which trains on captions only: the condition is dropped t
 probability ``cond_dropout`` for teacher and student alike,
 so that the student learns the unconditional branch too and samples with classifier-free guidance like the
 teacher, at the teacher's step counts (``scheduler``, ``scheduler.num_inference_steps``).
+
+On a flow-matching teacher (SD3: ``FlowMatchingSchedule``, x_t = (1 - t) x0 + t eps) the noise level is drawn as SD3
+trains (``time_sampling``: logit-normal by default, Esser et al. 2024 sec. 3.1, shifted by the scheduler's shift), the
+task target is the velocity eps - x0, and the student samples with flow Euler. Which blocks are matched, which element
+of a block's output is its feature (a joint transformer block's image tokens (N, T, D), not its text stream), which
+teacher block a shallower student's block stands for (evenly spaced, ``evenly_spaced_blocks``) and the regressor of a
+narrower one (a linear map on the token width) are the family's: ``feature_blocks``, ``block_feature``,
+``feature_block_pairs``, ``feature_regressor``.
 """
 
 from __future__ import annotations
@@ -25,21 +33,26 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
+from distill.diffusion import FlowMatchingSchedule, flow
+from distill.inference.schedulers import check_scheduler_kind
 from distill.methods import METHODS
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
 
 class _Recorder:
-    """Forward hooks keeping each block's output (a down block's hidden states, not its skip tensors)."""
+    """Forward hooks keeping each block's feature, the element of its output that ``feature_of`` (the family's
+    ``block_feature``) picks: a down block's hidden states, not its skip tensors; a joint transformer block's image
+    tokens, not its text stream."""
 
-    def __init__(self, blocks: dict[str, nn.Module]):
+    def __init__(self, blocks: dict[str, nn.Module], feature_of: Callable):
         self.outputs: dict[str, torch.Tensor] = {}
+        self.feature_of = feature_of
         self.handles = [b.register_forward_hook(self._hook(name)) for name, b in blocks.items()]
 
     def _hook(self, name: str):
         def hook(module, args, output):
-            self.outputs[name] = output[0] if isinstance(output, tuple) else output
+            self.outputs[name] = self.feature_of(output)
         return hook
 
     def pop(self) -> dict[str, torch.Tensor]:
@@ -51,7 +64,7 @@ class _Recorder:
             h.remove()
 
 
-@METHODS.register("feature_distillation")
+@METHODS.register("feature_distillation", choices={"time_sampling": flow.TIME_SAMPLINGS})
 class FeatureDistillation(TeacherStudentDistillation):
     method_name = "feature_distillation"
 
@@ -66,6 +79,10 @@ class FeatureDistillation(TeacherStudentDistillation):
         feature_weight: float = 1.0,
         cond_dropout: float = 0.1,
         match_mid_block: bool = False,
+        time_sampling: str = "logit_normal",  # on a flow-matching teacher: SD3's training draw of t
+        logit_mean: float = flow.LOGIT_MEAN,
+        logit_std: float = flow.LOGIT_STD,
+        mode_scale: float = flow.MODE_SCALE,
         sampling: dict | None = None,
         **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
@@ -83,31 +100,78 @@ class FeatureDistillation(TeacherStudentDistillation):
                              "student.time_cond_proj_dim=null")
         self.task_weight, self.output_weight, self.feature_weight = task_weight, output_weight, feature_weight
         self.cond_dropout = cond_dropout
-        self.sampling = dict(sampling or {"name": "ddim", "guidance_scale": 3.0, "num_inference_steps": 25})
+        self.flow = isinstance(self.schedule, FlowMatchingSchedule)
+        if self.flow:
+            check_flow_settings(self.noise, time_sampling, self.schedule.use_dynamic_shifting, self.teacher_source)
+        self.time_sampling, self.logit_mean, self.logit_std, self.mode_scale = (time_sampling, logit_mean, logit_std,
+                                                                                 mode_scale)
+        self.sampling = dict(sampling or self.default_sampling())
+        check_scheduler_kind(self.sampling["name"], self.noise_scheduler_config)  # before any sample grid or export
         self.num_train_timesteps = self.schedule.num_train_timesteps
         self.regressors = nn.ModuleDict()
         if feature_weight > 0:
-            # the blocks the family names (a UNet's down and up blocks, BK-SDM's stages)
-            self._teacher_rec = _Recorder(self.family.feature_blocks(self.teacher_unet, match_mid_block))
-            self._student_rec = _Recorder(self.family.feature_blocks(self.student, match_mid_block))
+            # student block -> teacher block, as the family pairs them (a UNet's down and up blocks by name, BK-SDM's
+            # stages; a transformer's blocks by index, evenly spaced for a shallower student)
+            self.feature_pairs = self.family.feature_block_pairs(self.teacher_unet, self.student, match_mid_block)
+            teacher_blocks = self.family.feature_blocks(self.teacher_unet, match_mid_block)
+            student_blocks = self.family.feature_blocks(self.student, match_mid_block)
+            self._teacher_rec = _Recorder({t: teacher_blocks[t] for t in self.feature_pairs.values()},
+                                          self.family.block_feature)
+            self._student_rec = _Recorder({s: student_blocks[s] for s in self.feature_pairs},
+                                          self.family.block_feature)
             self._build_regressors()
+
+    def default_sampling(self) -> dict:
+        """Without a scheduler config, sampled as the teacher is: DDIM 25 steps at guidance 3 on a VP teacher; flow
+        Euler on a flow one, at the steps and guidance its pipeline's call defaults to (a distill export's registered
+        defaults, else those of the family's stock pipeline class: StableDiffusion3Pipeline's 28 steps at 7)."""
+        if not self.flow:
+            return {"name": "ddim", "guidance_scale": 3.0, "num_inference_steps": 25}
+        import inspect
+
+        from distill.models.teacher import pipeline_configs
+
+        index = pipeline_configs(self.teacher_source, self.teacher_load_options.get("revision"))["pipeline"]
+        stock = {}
+        for cls in self.family.pipeline_class.__mro__:  # the first __call__ with defaults (distill's mixin has none)
+            params = inspect.signature(cls.__call__).parameters if "__call__" in vars(cls) else {}
+            if getattr(params.get("guidance_scale"), "default", None) not in (None, inspect.Parameter.empty):
+                stock = {k: params[k].default for k in ("guidance_scale", "num_inference_steps")}
+                break
+        return {"name": "flow_euler",
+                "guidance_scale": index.get("default_guidance_scale", stock.get("guidance_scale", 1.0)),
+                "num_inference_steps": index.get("default_num_inference_steps", stock.get("num_inference_steps", 28))}
 
     @torch.no_grad()
     def _build_regressors(self) -> None:
-        """One probe forward of both networks: a 1x1 conv for every block whose output width differs."""
+        """One probe forward of both networks: a regressor (the family's: a 1x1 conv on a UNet's channels, a linear
+        map on a transformer's token width) for every student block whose feature is narrower or wider."""
         x, t, cond = self.family.example_inputs(self.teacher_unet)  # the student takes the teacher's inputs
         self.family.denoise(self.teacher_unet, x, t, cond)
         self.family.denoise(self.student, x, t, cond)
         teacher, student = self._teacher_rec.pop(), self._student_rec.pop()
-        for name, f_t in teacher.items():
-            f_s = student[name]
-            if f_s.shape[2:] != f_t.shape[2:]:
-                raise ValueError(f"student block {name} outputs {tuple(f_s.shape[1:])}, the teacher's "
-                                 f"{tuple(f_t.shape[1:])}: spatial sizes must match for feature distillation; set "
+        d = self.family.feature_width_dim
+        for name, teacher_name in self.feature_pairs.items():
+            f_s, f_t = student[name], teacher[teacher_name]
+            rest_s, rest_t = list(f_s.shape[1:]), list(f_t.shape[1:])
+            width_s, width_t = rest_s.pop(d if d < 0 else d - 1), rest_t.pop(d if d < 0 else d - 1)
+            if rest_s != rest_t:
+                raise ValueError(f"student block {name} outputs {tuple(f_s.shape[1:])}, teacher block {teacher_name} "
+                                 f"{tuple(f_t.shape[1:])}: all but the width (axis {d}) must match for feature "
+                                 "distillation (the same latent size, patch size and token count); set "
                                  "method.feature_weight=0")
-            if f_s.shape[1] != f_t.shape[1]:
-                conv = nn.Conv2d(f_s.shape[1], f_t.shape[1], 1)
-                self.regressors[name.replace(".", "_")] = conv
+            if width_s != width_t:
+                self.regressors[name.replace(".", "_")] = self.family.feature_regressor(width_s, width_t)
+
+    def draw_times(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(t, importance weights) for ``n`` examples: on a flow teacher SD3's training draw (``time_sampling``,
+        shifted by the scheduler's shift; Esser et al. 2024, sec. 3.1), antithetic partners sharing it, unweighted;
+        on a VP teacher one integer timestep bin each (``method.noise``)."""
+        if self.flow:
+            u = flow.sample_flow_times(self.distinct_rows(n), self.time_sampling, self.logit_mean, self.logit_std,
+                                       self.mode_scale, generator=generator)
+            return self.paired(self.schedule.shift_times(u), n), None
+        return self.draw_time_bins(n, self.schedule.ve_sigmas.float(), generator)
 
     # ------------------------------------------------------------------ objective
 
@@ -118,8 +182,8 @@ class FeatureDistillation(TeacherStudentDistillation):
         n = x0.shape[0]
         drop = self.paired(torch.rand(n, generator=generator) < self.cond_dropout) if self.cond_dropout > 0 else None
         cond = self.family.condition(batch, drop)
-        bins, iw = self.draw_time_bins(n, self.schedule.ve_sigmas.float(), generator)  # one bin per timestep
-        t = bins.to(x0.device)
+        t, iw = self.draw_times(n, generator)
+        t = t.to(x0.device)
         eps = self.draw_noise(x0, generator)
         x_t = self.schedule.add_noise(x0, eps, t)
         teacher_out = self.teacher_forward(x_t, t, cond) if self.output_weight > 0 or self.feature_weight > 0 else None
@@ -134,17 +198,17 @@ class FeatureDistillation(TeacherStudentDistillation):
         if self.feature_weight > 0:
             student_feats = self._student_rec.pop()
             feats = []
-            for name, f_t in teacher_feats.items():
+            for name, teacher_name in self.feature_pairs.items():
                 f_s = student_feats[name].float()
                 key = name.replace(".", "_")
                 if key in self.regressors:
                     f_s = self.regressors[key](f_s)
-                feats.append(mse(f_s, f_t))
+                feats.append(mse(f_s, teacher_feats[teacher_name]))
             terms["feature"] = torch.stack(feats).sum(0)
         weights = {"task": self.task_weight, "output": self.output_weight, "feature": self.feature_weight}
         per_example = sum(weights[k] * v for k, v in terms.items() if weights[k] > 0)
-        if self.training:
-            self.record_time_losses(bins, per_example)
+        if self.training and not self.flow:
+            self.record_time_losses(t, per_example)  # the timestep bins of method.noise's adaptive proposal
         terms = {k: self.weighted_mean(v, iw) for k, v in terms.items()}
         terms["loss"] = self.weighted_mean(per_example, iw)
         return terms
@@ -186,9 +250,14 @@ class FeatureDistillation(TeacherStudentDistillation):
                 "unconditional branch per step.")
 
     def export_info(self) -> dict:
-        return {"prediction_type": self.schedule.prediction_type, "task_weight": self.task_weight,
+        info = {"prediction_type": self.schedule.prediction_type, "task_weight": self.task_weight,
                 "output_weight": self.output_weight, "feature_weight": self.feature_weight,
                 "cond_dropout": self.cond_dropout}
+        if self.flow:
+            info["time_sampling"], info["shift"] = self.time_sampling, self.schedule.shift
+        if self.feature_weight > 0 and any(s != t for s, t in self.feature_pairs.items()):
+            info["feature_pairs"] = dict(self.feature_pairs)  # student block -> teacher block
+        return info
 
     @staticmethod
     def check_settings(task_weight: float, output_weight: float, feature_weight: float, cond_dropout: float) -> None:
@@ -205,6 +274,35 @@ class FeatureDistillation(TeacherStudentDistillation):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """The constructor's checks of the settings, before anything is built."""
+        """The constructor's checks of the settings, before anything is built; on a local flow-matching teacher also
+        its time draw and a flow sampler (a hub teacher: when it loads, before any step)."""
+        import json
+        from pathlib import Path
+
+        from distill.models.teacher import is_flow_matching
+
         method = cfg.method
         cls.check_settings(method.task_weight, method.output_weight, method.feature_weight, method.cond_dropout)
+        folder = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
+        config_file = Path(str(folder)) / "scheduler" / "scheduler_config.json" if folder is not None else None
+        if config_file is None or not config_file.is_file():
+            return
+        config = json.loads(config_file.read_text())
+        if is_flow_matching(config):
+            check_flow_settings(method.noise, method.time_sampling, bool(config.get("use_dynamic_shifting")), str(folder))
+        check_scheduler_kind(getattr(cfg.scheduler.name, "value", cfg.scheduler.name), config)  # the choice's name
+
+
+def check_flow_settings(noise, time_sampling: str, use_dynamic_shifting: bool, teacher: str) -> None:
+    """What feature distillation on a flow-matching teacher cannot do: ``method.noise``'s VP timestep-bin proposals
+    and stratification (t is drawn by ``method.time_sampling``), a resolution-dependent shift (Flux's)."""
+    if noise.timesteps != "default" or noise.stratified:
+        raise ValueError(f"method.noise.timesteps={noise.timesteps!r} / stratified={noise.stratified} on the "
+                         f"flow-matching teacher {teacher!r}: they draw discrete VP timestep bins; a flow teacher's t "
+                         "is drawn by method.time_sampling: leave method.noise.timesteps=default, stratified=false")
+    if time_sampling not in flow.TIME_SAMPLINGS:
+        raise ValueError(f"method.time_sampling={time_sampling!r}; use one of {list(flow.TIME_SAMPLINGS)}")
+    if use_dynamic_shifting:
+        raise ValueError(f"method=feature_distillation on {teacher!r}: its scheduler shifts the sigmas by the image's "
+                         "resolution (use_dynamic_shifting, Flux's); the training times are shifted by a static shift "
+                         "(SD3's): distil an SD3 teacher")

@@ -1,5 +1,5 @@
 """Students built from a teacher's network (a UNet, or SD3's or Flux's transformer): a full copy (a UNet optionally
-w-conditioned), a fresh UNet, or LoRA adapters (peft). A UNet trained before (``pretrained_student``) is loaded in
+w-conditioned), a fresh UNet, an SD3 transformer with blocks removed (``shallow``), or LoRA adapters (peft). A UNet trained before (``pretrained_student``) is loaded in
 ``distill.students.pretrained``, which knows every UNet class distill exports."""
 
 from __future__ import annotations
@@ -48,6 +48,46 @@ def fresh_student(teacher_unet: UNet2DConditionModel, seed: int = 0, time_cond_p
         student = UNet2DConditionModel.from_config(config)
     finally:
         torch.random.set_rng_state(state)
+    if gradient_checkpointing:
+        student.enable_gradient_checkpointing()
+    return student.train().requires_grad_(True)
+
+
+@STUDENTS.register("shallow")
+def shallow_student(teacher_unet: nn.Module, num_layers: int | None = None,
+                    gradient_checkpointing: bool = False) -> nn.Module:
+    """The teacher's SD3 transformer with ``num_layers`` (default: half, rounded up) of its L joint blocks kept, with
+    their weights, the rest removed (BK-SDM's block removal, Kim et al. 2023): student block j is teacher block
+    (j + 1) L // num_layers - 1
+    (``evenly_spaced_blocks``, the last kept as the last, context_pre_only, block), the block whose feature feature
+    distillation matches it to, so that the student starts from the features it learns to reproduce."""
+    from diffusers import SD3Transformer2DModel
+
+    from distill.families.base import evenly_spaced_blocks
+
+    if not isinstance(teacher_unet, SD3Transformer2DModel):
+        raise ValueError(f"student=shallow removes joint blocks of an SD3 transformer; the teacher's denoiser is a "
+                         f"{type(teacher_unet).__name__}: use student=pruned or lowrank")
+    total = len(teacher_unet.transformer_blocks)
+    num_layers = (total + 1) // 2 if num_layers is None else num_layers
+    try:
+        kept = evenly_spaced_blocks(total, num_layers)
+    except ValueError as err:
+        raise ValueError(f"student.num_layers={num_layers}: {err}") from None  # the key first (train shows the root)
+    config = dict(teacher_unet.config)
+    dual = set(config.get("dual_attention_layers") or ())
+    config.update(num_layers=num_layers, dual_attention_layers=tuple(j for j, i in enumerate(kept) if i in dual))
+    student = SD3Transformer2DModel.from_config(config)
+    renamed = {f"transformer_blocks.{i}.": f"transformer_blocks.{j}." for j, i in enumerate(kept)}
+    state = {}
+    for key, value in teacher_unet.state_dict().items():
+        if not key.startswith("transformer_blocks."):
+            state[key] = value
+            continue
+        prefix = ".".join(key.split(".")[:2]) + "."
+        if prefix in renamed:
+            state[renamed[prefix] + key[len(prefix):]] = value
+    student.load_state_dict(state, strict=True)
     if gradient_checkpointing:
         student.enable_gradient_checkpointing()
     return student.train().requires_grad_(True)
