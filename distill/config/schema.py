@@ -305,6 +305,9 @@ def register_configs() -> None:
                                                (STUDENT_SCHEMAS, STUDENTS, "StudentConfig", STUDENT_OPTIONS)):
         schemas.update(registered(registry, suffix, only=set(registry.names()) - set(schemas), module=__name__,
                                   **options))
+        ordered = sorted(schemas.items())  # the options in name order, as the registry lists them
+        schemas.clear()
+        schemas.update(ordered)
     accelerators = {kind.value: AccelerateConfig(kind=kind) for kind in AcceleratorKind}
     for group, nodes in (("method", METHOD_SCHEMAS), ("student", STUDENT_SCHEMAS), ("accelerate", accelerators)):
         for name, node in nodes.items():

@@ -293,10 +293,10 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
                     "scale in that range, never a CFG pass.")
         return super().guidance_note()
 
-    def call_defaults(self) -> dict:
-        """The base's, with the configured guidance as the call's scale where the student embeds it, and under a
-        resolution shift the size it was trained at (so that a default call samples at the grid's mu)."""
-        defaults = super().call_defaults()
+    def extra_call_defaults(self) -> dict:
+        """The configured guidance as the call's scale where the student embeds it, under a resolution shift the size
+        it was trained at (so that a default call samples at the grid's mu), and a trailing grid's sigma spacing."""
+        defaults = {}
         if self.student_guidance_embedded:
             defaults.update(default_guidance_scale=self.sampling["guidance_scale"], guidance_distilled=False)
         if self.latent_size is not None:

@@ -168,7 +168,11 @@ class TeacherStudentDistillation(DistillMethod):
         student without one, guidance 1 and no CFG pass, the guidance being distilled into it."""
         return {"default_num_inference_steps": self.num_inference_steps,
                 "default_guidance_scale": self.sampling["guidance_scale"] if self.w_dim is not None else 1.0,
-                "guidance_distilled": self.w_dim is None}
+                "guidance_distilled": self.w_dim is None, **self.extra_call_defaults()}
+
+    def extra_call_defaults(self) -> dict:
+        """A method's own entries of the intended call (a flow student's sigma spacing, its trained resolution)."""
+        return {}
 
     def pipeline(self, scheduler: str | None = None):
         """The student as an in-memory pipeline of the family with the export's call defaults (``call_defaults``),

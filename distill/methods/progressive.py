@@ -280,10 +280,10 @@ class ProgressiveDistillation(TeacherStudentDistillation):
                     f"{self.guidance_scale_max}]")
         return f"the first teacher's classifier-free guidance at scale {self.hparams.guidance_scale}"
 
-    def call_defaults(self) -> dict:
-        """The intended call; a flow student samples on the trailing sigmas linspace(1, 1 / N, N) it was trained on
-        (``sigma_spacing``), not on the scheduler's own N points between 1 and its smallest training sigma."""
-        return {**super().call_defaults(), **({"sigma_spacing": "trailing"} if self.flow else {})}
+    def extra_call_defaults(self) -> dict:
+        """A flow student samples on the trailing sigmas linspace(1, 1 / N, N) it was trained on (``sigma_spacing``),
+        not on the scheduler's own N points between 1 and its smallest training sigma."""
+        return {"sigma_spacing": "trailing"} if self.flow else {}
 
     def export_info(self) -> dict:
         info = {"w_conditioned": self.w_conditioned, "prediction_type": self.student_prediction_type}
