@@ -227,6 +227,19 @@ print(type(pipe).__name__, type(pipe.scheduler).__name__)
 """
 
 
+def stock_sd3(tmp_path, export, load: list[str], call: dict, prompt: str, name: str = "x"):
+    """The stock StableDiffusion3Pipeline loading ``export`` (``load`` components None) and called with ``call`` in a
+    process that does not import distill (``STOCK_SD3``): (its pipeline and scheduler class names, the images)."""
+    script = tmp_path / "stock.py"
+    script.write_text(STOCK_SD3)
+    out = tmp_path / f"{name}.pt"
+    proc = subprocess.run([sys.executable, str(script), str(export), str(out),
+                           json.dumps({"load": load, "call": call}), prompt], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split(), torch.load(out)
+
+
 FLOW_FAST = ["callbacks.quality_cost=null", "data.batch_size=4",
              "trainer.max_steps=2", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1", "callbacks.samples.num_seeds=1",
              "sample_grid_seeds=1", "logger=csv"]
@@ -271,13 +284,8 @@ def test_two_cli_steps_on_the_sd3_teacher_export_a_flow_lcm_pipeline(sd3_dir, tm
     assert "num_inference_steps=4, guidance_scale=1.0, max_sequence_length=" in card and "text_encoder_3=None" in card
     assert "sigmas=[1.0, 0.75, 0.5, 0.25]" in card
     call = {"num_inference_steps": 4, "guidance_scale": 1.0, **info["stock"]["call"]}
-    (tmp_path / "stock.py").write_text(STOCK_SD3)
-    proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(export), str(tmp_path / "x.pt"),
-                           json.dumps({"load": info["stock"]["load"], "call": call}), PROMPTS[0]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["StableDiffusion3Pipeline", "FlowMatchLCMScheduler"]
-    assert torch.equal(ours, torch.load(tmp_path / "x.pt"))
+    classes, theirs = stock_sd3(tmp_path, export, info["stock"]["load"], call, PROMPTS[0])
+    assert classes == ["StableDiffusion3Pipeline", "FlowMatchLCMScheduler"] and torch.equal(ours, theirs)
 
 
 def test_a_flow_lcm_scheduler_on_a_vp_model_is_refused():

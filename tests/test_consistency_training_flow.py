@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,7 +21,7 @@ import distill.inference.pipelines  # noqa: F401  (registers distill's export cl
 from distill.families import load_teacher
 from tests.conftest import run_train
 from tests.sd3_tiny import SD3_SHIFT, write_tiny_sd3
-from tests.test_consistency_flow import STOCK_SD3, _transformer
+from tests.test_consistency_flow import _transformer, stock_sd3
 
 PROMPT = "a handwritten digit three"
 T = 1000  # the stand-in scheduler's num_train_timesteps
@@ -240,10 +238,5 @@ def test_two_cli_steps_on_the_sd3_teacher_export_a_flow_lcm_pipeline(sd3_dir, tm
     card = (export / "README.md").read_text()
     assert "num_inference_steps=2, guidance_scale=1.0, max_sequence_length=" in card and "sigmas=[1.0, 0.5]" in card
     call = {"num_inference_steps": 2, "guidance_scale": 1.0, **info["stock"]["call"]}
-    (tmp_path / "stock.py").write_text(STOCK_SD3)
-    proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(export), str(tmp_path / "x.pt"),
-                           json.dumps({"load": info["stock"]["load"], "call": call}), PROMPT], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["StableDiffusion3Pipeline", "FlowMatchLCMScheduler"]
-    assert torch.equal(ours, torch.load(tmp_path / "x.pt"))
+    classes, theirs = stock_sd3(tmp_path, export, info["stock"]["load"], call, PROMPT)
+    assert classes == ["StableDiffusion3Pipeline", "FlowMatchLCMScheduler"] and torch.equal(ours, theirs)

@@ -7,8 +7,6 @@ DiffusionPipeline.from_pretrained and the stock StableDiffusion3Pipeline with th
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from distill.families import load_teacher
 from distill.families.base import trailing_sigmas
 from tests.conftest import run_train
 from tests.sd3_tiny import SD3_SHIFT, write_tiny_sd3
-from tests.test_consistency_flow import STOCK_SD3, _transformer
+from tests.test_consistency_flow import _transformer, stock_sd3
 
 PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
 GUIDANCE = 2.5
@@ -181,19 +179,12 @@ def test_two_cli_rounds_on_the_sd3_teacher_export_students_that_sample_on_their_
     assert "num_inference_steps=2, guidance_scale=1.0, max_sequence_length=" in card and "sigmas=[1.0, 0.5]" in card
     assert "for M steps pass `num_inference_steps=M, sigmas=numpy.linspace(1, 1 / M, M).tolist()`" in card
     call = {"num_inference_steps": 2, "guidance_scale": 1.0, **info["stock"]["call"]}
-    (tmp_path / "stock.py").write_text(STOCK_SD3)
-    proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(export), str(tmp_path / "x.pt"),
-                           json.dumps({"load": info["stock"]["load"], "call": call}), PROMPTS[0]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["StableDiffusion3Pipeline", "FlowMatchEulerDiscreteScheduler"]
-    assert torch.equal(ours, torch.load(tmp_path / "x.pt"))
+    classes, theirs = stock_sd3(tmp_path, export, info["stock"]["load"], call, PROMPTS[0])
+    assert classes == ["StableDiffusion3Pipeline", "FlowMatchEulerDiscreteScheduler"] and torch.equal(ours, theirs)
     # without the card's sigmas the stock scheduler's own 2 points (1 and its smallest sigma) give other images
     call.pop("sigmas")
-    proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(export), str(tmp_path / "y.pt"),
-                           json.dumps({"load": info["stock"]["load"], "call": call}), PROMPTS[0]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and not torch.allclose(ours, torch.load(tmp_path / "y.pt"), atol=1e-3)
+    _, other = stock_sd3(tmp_path, export, info["stock"]["load"], call, PROMPTS[0], name="y")
+    assert not torch.allclose(ours, other, atol=1e-3)
 
 
 def test_the_server_steps_a_trailing_export_on_its_grid(sd3_dir):
