@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from accelerate_latency import parse_value  # noqa: E402
 from compress_latency import (  # noqa: E402  (bench scripts share their timing helpers)
     clock,
     environment,
@@ -48,15 +49,6 @@ from compress_latency import (  # noqa: E402  (bench scripts share their timing 
 )
 
 MIB = 2**20
-
-
-def parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "null": None}.get(text, text)
 
 
 def parse_variant(text: str) -> tuple[str, Path, dict]:
