@@ -102,9 +102,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 class Variant:
     def __init__(self, name: str, folder: Path, call: dict, device: torch.device, dtype: torch.dtype,
                  prompt: str, seed: int):
-        import distill.inference.pipelines  # noqa: F401  (registers distill's pipeline classes)
         from diffusers import DiffusionPipeline
 
+        import distill.inference.pipelines  # noqa: F401  (registers distill's pipeline classes)
         from distill.families import denoiser_of
 
         self.name, self.folder, self.call = name, folder, call
