@@ -233,6 +233,31 @@ assert not any(name == "distill" or name.startswith("distill.") for name in sys.
 print(type(pipe).__name__, type(pipe.scheduler).__name__)
 """
 
+def stock_flux(tmp_path, export, call: dict, prompt: str, name: str = "x") -> tuple[list[str], dict]:
+    """The stock FluxPipeline loading ``export`` and called with ``call`` in a process that does not import distill
+    (``STOCK_FLUX``): (its pipeline and scheduler class names, {"images", "sigmas"})."""
+    script = tmp_path / "stock.py"
+    script.write_text(STOCK_FLUX)
+    out = tmp_path / f"{name}.pt"
+    proc = subprocess.run([sys.executable, str(script), str(export), str(out), json.dumps(call), prompt], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split(), torch.load(out)
+
+
+def train_flux(tmp_path, exp: str, flux_dir, *overrides: str, timeout: int = 600):
+    """``python -m distill.train +exp=<exp>`` on the Flux folder, one thread, run directory tmp_path/run: (the run
+    directory, the CompletedProcess)."""
+    run_dir = tmp_path / "run"
+    return run_dir, run_train(f"+exp={exp}", f"teacher.pretrained_model_name_or_path={flux_dir}", *overrides,
+                              f"hydra.run.dir={run_dir}", env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
+
+
+def train_losses(run_dir) -> list[float]:
+    """The logged train/loss values of a run (its CSV logger's)."""
+    return [float(r["train/loss"]) for r in csv.DictReader(open(run_dir / "csv" / "metrics.csv")) if r.get("train/loss")]
+
+
 FAST = ["callbacks.quality_cost=null", "data.batch_size=4", "trainer.max_steps=2", "trainer.log_every_n_steps=1",
         "trainer.limit_val_batches=1", "callbacks.samples.num_seeds=1", "sample_grid_seeds=1", "logger=csv",
         f"data.resolution={RESOLUTION}", "data.num_workers=0"]
@@ -244,11 +269,9 @@ def test_two_cli_steps_on_the_flux_teacher_export_a_pipeline_the_stock_class_sam
     mu; DiffusionPipeline.from_pretrained(export)(prompt) samples 24x24 images with 4 transformer passes of 1 row,
     on sigmas of the training grid; the stock FluxPipeline, given the card's arguments in a fresh process that does
     not import distill, gives the same images and sigmas bit for bit."""
-    run_dir = tmp_path / "run"
-    proc = run_train("+exp=consistency_flux", f"teacher.pretrained_model_name_or_path={flux_dir}", *FAST,
-                     f"hydra.run.dir={run_dir}", env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    run_dir, proc = train_flux(tmp_path, "consistency_flux", flux_dir, *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [float(r["train/loss"]) for r in csv.DictReader(open(run_dir / "csv" / "metrics.csv")) if r.get("train/loss")]
+    losses = train_losses(run_dir)
     assert len(losses) == 2 and all(0 < loss < 100 for loss in losses), losses
     export = run_dir / "export"
     index = json.loads((export / "model_index.json").read_text())
@@ -273,23 +296,16 @@ def test_two_cli_steps_on_the_flux_teacher_export_a_pipeline_the_stock_class_sam
     grid = _flux_sigmas(FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER), N, mu)
     assert bool(torch.isin(pipe.scheduler.sigmas, grid).all())
     call = {"num_inference_steps": 4, "guidance_scale": 3.5, **info["stock"]["call"]}
-    (tmp_path / "stock.py").write_text(STOCK_FLUX)
-    proc = subprocess.run([sys.executable, str(tmp_path / "stock.py"), str(export), str(tmp_path / "x.pt"),
-                           json.dumps(call), PROMPTS[0]], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["FluxPipeline", "FlowMatchLCMScheduler"]
-    theirs = torch.load(tmp_path / "x.pt")
+    classes, theirs = stock_flux(tmp_path, export, call, PROMPTS[0])
+    assert classes == ["FluxPipeline", "FlowMatchLCMScheduler"]
     assert torch.equal(theirs["sigmas"], pipe.scheduler.sigmas) and torch.equal(ours, theirs["images"])
 
 
 def test_a_grid_off_the_sampled_sigmas_exits_2_before_compute(flux_dir, tmp_path):
     """method.num_ddim_timesteps=50: the 4-step sigmas are off that grid; refused with exit 2, naming both values
     and the fix, before any step (no run directory left, no export)."""
-    run_dir = tmp_path / "run"
-    proc = run_train("+exp=consistency_flux", f"teacher.pretrained_model_name_or_path={flux_dir}", *FAST,
-                     "method.num_ddim_timesteps=50", f"hydra.run.dir={run_dir}", env={"OMP_NUM_THREADS": "1"},
-                     timeout=300)
+    run_dir, proc = train_flux(tmp_path, "consistency_flux", flux_dir, *FAST, "method.num_ddim_timesteps=50",
+                               timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "scheduler.num_inference_steps=4 samples sigmas" in proc.stderr
     assert "off the method.num_ddim_timesteps=50 grid" in proc.stderr and not (run_dir / "export").exists()

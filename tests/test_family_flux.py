@@ -5,13 +5,15 @@ loading, conditioning bit for bit as encode_prompt, denoise as the transformer c
 through the family equal to FluxPipeline.__call__'s latents and images, the export through
 DiffusionPipeline.from_pretrained and through the stock class in a process that does not import distill,
 distill.evaluate and distill.sample end to end, and the refusals (a Flux folder without its T5, a training method
-other than consistency distillation on a Flux teacher: tests/test_consistency_flux.py trains it)."""
+other than consistency distillation, progressive distillation and ECT on a Flux teacher: tests/test_consistency_flux.py,
+tests/test_progressive_flux.py and tests/test_consistency_training_flux.py train it)."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -297,24 +299,25 @@ def test_evaluate_refuses_a_flux_folder_without_t5_with_exit_2(flux_dir, tmp_pat
 
 
 def test_a_training_method_on_a_flux_teacher_is_refused_from_its_configs(flux_dir):
-    """Consistency distillation serves Flux; another method is refused before anything loads, naming the family,
-    the method that can and what runs on it."""
-    check_method_serves(flux_dir, pipeline_configs(flux_dir), "consistency")
-    for method in ("progressive", "feature_distillation"):
-        with pytest.raises(ValueError, match=rf"is a 'flux' teacher \(FluxFamily, flow matching\), which "
-                                             rf"method='{method}' cannot train; the methods that can: "
-                                             rf"\['consistency'\]"):
-            check_method_serves(flux_dir, pipeline_configs(flux_dir), method)
+    """Consistency distillation, progressive distillation and ECT serve Flux; another method is refused before
+    anything loads, naming the family, the methods that can and what runs on it."""
+    assert FluxFamily.methods[:3] == ("consistency", "progressive", "consistency_training")
+    for method in FluxFamily.methods:
+        check_method_serves(flux_dir, pipeline_configs(flux_dir), method)
+    with pytest.raises(ValueError, match=r"is a 'flux' teacher \(FluxFamily, flow matching\), which "
+                                         r"method='diffusion' cannot train; the methods that can: "
+                                         + re.escape(str(list(FluxFamily.methods)))):
+        check_method_serves(flux_dir, pipeline_configs(flux_dir), "diffusion")
 
 
 @pytest.mark.slow
 def test_training_on_a_flux_teacher_exits_2_before_any_compute(flux_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_train("+exp=progressive", f"teacher.pretrained_model_name_or_path={flux_dir}",
+    proc = run_train("+exp=consistency_training", "method=diffusion", f"teacher.pretrained_model_name_or_path={flux_dir}",
                      f"hydra.run.dir={run_dir}", "logger=csv", timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("is a 'flux' teacher (FluxFamily, flow matching), which method='progressive' cannot train; the methods "
-            "that can: ['consistency']") in proc.stderr
+    assert ("is a 'flux' teacher (FluxFamily, flow matching), which method='diffusion' cannot train; the methods "
+            f"that can: {list(FluxFamily.methods)}") in proc.stderr
     assert "python -m distill.evaluate pipeline=" in proc.stderr and not run_dir.exists()
 
 
@@ -358,11 +361,12 @@ def test_teacher_flux_names_flux1_dev_and_is_refused_from_its_configs_before_its
     fetched = hub_from_folder(monkeypatch, flux_dir)  # Flux has no unet/
     monkeypatch.setattr(FluxPipeline, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("weights loaded before the family check")))
-    cfg = compose("+exp=progressive", "teacher=flux")
+    cfg = compose("+exp=consistency_training", "method=diffusion", "teacher=flux")
     assert cfg.teacher.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
-    with pytest.raises(ValueError, match=r"'black-forest-labs/FLUX.1-dev' is a 'flux' teacher .*method='progressive' "
-                                         r"cannot train; the methods that can: \['consistency'\]"):
+    with pytest.raises(ValueError, match=r"'black-forest-labs/FLUX.1-dev' is a 'flux' teacher .*method='diffusion' "
+                                         r"cannot train; the methods that can: " + re.escape(str(list(FluxFamily.methods)))):
         _check_method_serves_teacher(cfg)
-    assert compose("+exp=consistency_flux").teacher.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
+    for exp in ("consistency_flux", "progressive_flux", "consistency_training_flux"):
+        assert compose(f"+exp={exp}").teacher.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
     assert fetched == ["model_index.json", "scheduler/scheduler_config.json", "unet/config.json",
                        "transformer/config.json"]

@@ -15,15 +15,17 @@ T5 is not optional: Flux has no T5-free mode (its context is T5's tokens alone),
 ``distill.serve`` run on it (the engine's hooks: ``set_timesteps``, ``latent_shape``, ``call_latents``,
 ``guidance_input``, ``size_multiple``).
 
-It trains with consistency distillation (``method=consistency``, ``+exp=consistency_flux``), with a copy or LoRA
-student (``student=lora``; ``FluxPipeline``'s ``load_lora_weights`` reads its file: ``ModelFamily.lora_weights``).
-The training images have one resolution (``data.resolution``), and its mu (``shift_mu``) shifts the solver grid
-(``inference_sigmas``: FluxPipeline's sigmas linspace(1, 1 / N, N) at that mu); the export samples at that
-resolution by default (``resolution_defaults``: ``default_sample_size``), so at the same shift, and records the
-resolution and mu in distill.json. A FLUX.1-dev-style teacher (``guidance_embedded``) is stepped at its guidance
-input with no CFG pass, as ``FluxPipeline`` calls it, and its student takes the guidance scale the same way; a
-teacher without the embedding is guided by true CFG (``FluxPipeline``'s ``true_cfg_scale``) in velocity form, and
-its student samples guidance-distilled.
+It trains with consistency distillation (``+exp=consistency_flux``), progressive distillation
+(``+exp=progressive_flux``) and ECT (``+exp=consistency_training_flux``), with a copy or LoRA student
+(``student=lora``; ``FluxPipeline``'s ``load_lora_weights`` reads its file: ``ModelFamily.lora_weights``). The
+training images have one resolution (``method.resolution`` = ``data.resolution``), and its mu (``shift_mu``)
+shifts the student's time grid (``inference_sigmas``: FluxPipeline's sigmas linspace(1, 1 / N, N) at that mu:
+consistency's solver grid, each progressive round's N- and 2N-step grids); the export samples at that resolution
+by default (``resolution_defaults``: ``default_sample_size``), so at the same shift (ECT's FlowMatchLCMScheduler
+too), and records the resolution and mu in distill.json. A FLUX.1-dev-style teacher (``guidance_embedded``) is
+stepped at its guidance input with no CFG pass, as ``FluxPipeline`` calls it, and its student takes the guidance
+scale the same way (ECT, which has no guidance, at 1); a teacher without the embedding is guided by true CFG
+(``FluxPipeline``'s ``true_cfg_scale``) in velocity form, and its student samples guidance-distilled.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ class FluxFamily(ModelFamily):
     pipeline_class = DistillFluxPipeline
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
-    methods = ("consistency",)  # its solver grid at the training resolution's shift (resolution_shift)
+    # their time grids and exports at the training resolution's shift (resolution_shift)
+    methods = ("consistency", "progressive", "consistency_training")
     flow_matching = True
     classifier_free_guidance = False  # FluxPipeline passes guidance_scale to the transformer (guidance_input)
     resolution_shift = True  # FluxPipeline shifts by mu of the packed token count (shift_mu)

@@ -27,3 +27,13 @@ def is_sharded(cfg) -> bool:
     """Whether the trainer shards the networks (``trainer=fsdp``: ``distill.utils.sharding.ShardedStrategy``)."""
     strategy = cfg.trainer.get("strategy")
     return hasattr(strategy, "get") and str(strategy.get("_target_", "")).endswith(".ShardedStrategy")
+
+
+def check_resolution(cfg) -> None:
+    """``method.resolution``, where a method has it, is the training images' (``data.resolution``): on a
+    resolution-shifted teacher (Flux) the student's time grid and its export's default size are built at it."""
+    resolution, data_resolution = cfg.method.get("resolution"), cfg.get("data", {}).get("resolution")
+    if resolution is not None and data_resolution is not None and resolution != data_resolution:
+        raise ValueError(f"method.resolution={resolution} differs from data.resolution={data_resolution}: on a "
+                         "resolution-shifted teacher (Flux) the student's time grid is built at the shift of the "
+                         "training images' resolution; leave method.resolution=${data.resolution}")

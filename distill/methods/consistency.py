@@ -21,9 +21,9 @@ from distill.diffusion.consistency import (
     flow_solver_grid,
 )
 from distill.diffusion.flow import euler_step
-from distill.families.base import SIGMA_SPACINGS, trailing_sigmas
+from distill.families.base import SIGMA_SPACINGS
 from distill.methods import METHODS
-from distill.methods.checks import check_guidance_range
+from distill.methods.checks import check_guidance_range, check_resolution
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
 from distill.models.teacher import Teacher
@@ -98,15 +98,12 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
 
         self.flow = isinstance(self.schedule, FlowMatchingSchedule)
         check_scheduler_kind(self.sampling["name"], self.noise_scheduler_config, key="scheduler.name")
-        # FLUX.1-dev: the guidance scale is the network's input, not a CFG pass (the family's guidance_input)
-        self.teacher_guidance_embedded = self.family.guidance_embedded(self.teacher_unet)
-        self.student_guidance_embedded = self.family.guidance_embedded(self.student)
-        self.resolution, self.latent_size, self.mu = resolution, None, None
+        self.bind_resolution(resolution)  # under a resolution shift (Flux): the grid at the training images' mu
         if sigma_spacing not in SIGMA_SPACINGS:
             raise ValueError(f"method.sigma_spacing={sigma_spacing!r}; use one of {list(SIGMA_SPACINGS)}")
         self.sigma_spacing = sigma_spacing
         if self.flow:  # the teacher pipeline's N-step sigmas: t_n -> t_{n-1}, the last step to t = 0
-            grid, previous = flow_solver_grid(self._flow_sigmas(num_ddim_timesteps, resolution))
+            grid, previous = flow_solver_grid(self._flow_sigmas(num_ddim_timesteps))
         else:  # LCM's skipping-step grid: t_n -> t_n - k, k = T / N
             T = self.schedule.num_train_timesteps
             grid = ddim_timesteps(T, num_ddim_timesteps)
@@ -116,35 +113,17 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
 
     method_name = "consistency"
 
-    def _flow_sigmas(self, num_ddim_timesteps: int, resolution: int | None) -> torch.Tensor:
-        """The N-step sigmas (N + 1,) the teacher's pipeline samples with: its scheduler's own at a static shift
-        (SD3); under a resolution shift (Flux) those at mu of ``resolution``'s latents, where the student's sampling
-        sigmas must lie too (their steps a divisor of N) for it to be sampled where it was trained."""
-        if not self.schedule.use_dynamic_shifting:
-            if self.sigma_spacing == "scheduler":
-                return self.schedule.inference_sigmas(num_ddim_timesteps)[0]
-            sigmas = self.schedule.inference_sigmas(sigmas=trailing_sigmas(num_ddim_timesteps))[0]
-            self._check_on_grid(sigmas, self.schedule.inference_sigmas(
-                sigmas=trailing_sigmas(self.sampling["num_inference_steps"]))[0], num_ddim_timesteps)
-            return sigmas
-        if not self.family.resolution_shift:
-            raise ValueError(f"method=consistency on {self.teacher_source!r}: its scheduler shifts the sigmas by the "
-                             f"image's resolution (use_dynamic_shifting), which the {type(self.family).__name__}'s "
-                             "pipeline does not reproduce here (Flux's does); set use_dynamic_shifting=false with a "
-                             "fixed shift in the teacher's scheduler_config.json")
-        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        if resolution is None or resolution % factor:
-            raise ValueError(f"method.resolution={resolution} on {self.teacher_source!r}, whose scheduler shifts the "
-                             "sigmas by the image's resolution (use_dynamic_shifting): the solver grid is built at the "
-                             f"training images' resolution, a multiple of the VAE's factor {factor}; set "
-                             "method.resolution=${data.resolution} (conf/method/consistency.yaml does)")
-        size = self.latent_size = resolution // factor
-        self.family.resolution_defaults(size, size)  # refuses a size the export cannot sample at by default
-        self.mu = self.family.shift_mu(size, size)
-        sigmas = self.family.inference_sigmas(num_ddim_timesteps, size, size)[0]
-        steps = self.sampling["num_inference_steps"]
-        self._check_on_grid(sigmas, self.family.inference_sigmas(steps, size, size)[0], num_ddim_timesteps,
-                            f" (at mu={self.mu:.4f})")
+    def _flow_sigmas(self, num_ddim_timesteps: int) -> torch.Tensor:
+        """The N-step sigmas (N + 1,) the teacher's pipeline samples with: its scheduler's own (SD3 with
+        ``sigma_spacing="scheduler"``), or from the trailing sigmas linspace(1, 1 / N, N) at the static shift (SD3)
+        or at mu of the training latents (Flux, ``bind_resolution``), where the student's sampling sigmas must lie
+        too (their steps a divisor of N) for it to be sampled where it was trained."""
+        if not self.schedule.use_dynamic_shifting and self.sigma_spacing == "scheduler":
+            return self.schedule.inference_sigmas(num_ddim_timesteps)[0]
+        sigmas = self.trailing_flow_sigmas(num_ddim_timesteps)
+        where = "" if self.mu is None else f" (at mu={self.mu:.4f})"
+        self._check_on_grid(sigmas, self.trailing_flow_sigmas(self.sampling["num_inference_steps"]),
+                            num_ddim_timesteps, where)
         return sigmas
 
     def _check_on_grid(self, grid: torch.Tensor, sampled: torch.Tensor, num_ddim_timesteps: int, where: str = ""):
@@ -205,7 +184,7 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)  # (N, 4, h, w)
-        self._check_latent_size(x0)
+        self.check_latent_size(x0, "solver grid")
         n, device = x0.shape[0], x0.device
         # one bin per grid point t_n, by its noise level
         bins, iw = self.draw_time_bins(n, self._solver_levels(), generator)
@@ -225,14 +204,6 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         if self.training:
             self.record_time_losses(bins, per_example)
         return self.weighted_mean(per_example, iw)
-
-    def _check_latent_size(self, x0: torch.Tensor) -> None:
-        """Under a resolution shift, latents of the size the grid's mu was built for (before any network runs)."""
-        if self.latent_size is not None and tuple(x0.shape[-2:]) != (self.latent_size, self.latent_size):
-            raise ValueError(f"the training latents are {tuple(x0.shape[-2:])}, but the solver grid is built at mu="
-                             f"{self.mu:.4f} of method.resolution={self.resolution} ({self.latent_size}x"
-                             f"{self.latent_size} latents): train on images of one resolution, that one (data."
-                             "resolution), or set method.resolution to the data's")
 
     @torch.no_grad()
     def consistency_target(self, x_t, t, t_prev, cond, uncond, w, w_kwargs) -> torch.Tensor:
@@ -286,30 +257,15 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         kind = "embedded guidance (its guidance input)" if self.teacher_guidance_embedded else "classifier-free guidance"
         return f"the teacher's {kind} at scales drawn from [{self.guidance_scale_min}, {self.guidance_scale_max}]"
 
-    def guidance_note(self) -> str:
-        if self.student_guidance_embedded:
-            return (f"distilled from {self.guidance_source()}, taken as an input (guidance_scale through the "
-                    "transformer's guidance embedding, as the pipeline passes it): one evaluation per step at any "
-                    "scale in that range, never a CFG pass.")
-        return super().guidance_note()
-
     def extra_call_defaults(self) -> dict:
-        """The configured guidance as the call's scale where the student embeds it, under a resolution shift the size
-        it was trained at (so that a default call samples at the grid's mu), and a trailing grid's sigma spacing."""
-        defaults = {}
-        if self.student_guidance_embedded:
-            defaults.update(default_guidance_scale=self.sampling["guidance_scale"], guidance_distilled=False)
-        if self.latent_size is not None:
-            defaults.update(self.family.resolution_defaults(self.latent_size, self.latent_size))
+        """A static-shift grid's trailing sigma spacing (under a resolution shift FluxPipeline's own sigmas are the
+        trailing ones)."""
         if self.flow and not self.schedule.use_dynamic_shifting and self.sigma_spacing == "trailing":
-            defaults["sigma_spacing"] = "trailing"
-        return defaults
-
-    def cfg_pass(self, defaults: dict) -> bool:
-        return not self.student_guidance_embedded and super().cfg_pass(defaults)
+            return {"sigma_spacing": "trailing"}
+        return {}
 
     def export_info(self) -> dict:
-        info = {"guidance_scale_range": [self.guidance_scale_min, self.guidance_scale_max],
+        info = {**super().export_info(), "guidance_scale_range": [self.guidance_scale_min, self.guidance_scale_max],
                 "num_ddim_timesteps": self.num_ddim_timesteps}
         if not self.flow:
             return {**info, "timestep_scaling": self.timestep_scaling}
@@ -319,8 +275,6 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         info.update(solver=f"Euler steps of the guided teacher's flow ODE on its pipeline's {self.num_ddim_timesteps}-"
                            f"step shifted sigmas{spacing}{shift}",
                     consistency_function="f(x_t, t) = x_t - t v (c_skip = 1, c_out = -t on the velocity)")
-        if self.mu is not None:  # the export samples at this resolution, and so at this mu, by default
-            info.update(resolution=self.resolution, latent_size=self.latent_size, mu=self.mu)
         return info
 
     @classmethod
@@ -342,10 +296,6 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
                 f"{method.num_ddim_timesteps}: the {cfg.scheduler.name} scheduler samples on that training grid; "
                 f"use at most {method.num_ddim_timesteps} steps"
             )
-        resolution, data_resolution = method.get("resolution"), cfg.get("data", {}).get("resolution")
-        if resolution is not None and data_resolution is not None and resolution != data_resolution:
-            raise ValueError(f"method.resolution={resolution} differs from data.resolution={data_resolution}: on a "
-                             "resolution-shifted teacher (Flux) the solver grid is built at the shift of the training "
-                             "images' resolution; leave method.resolution=${data.resolution}")
+        check_resolution(cfg)
         if not 0.0 <= method.ema_decay < 1.0:
             raise ValueError(f"method.ema_decay={method.ema_decay} must be in [0, 1) (0 = stop-gradient target)")

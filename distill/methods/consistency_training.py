@@ -18,6 +18,13 @@ Parametrisations, each exported with the diffusers scheduler that samples with e
   (``flow_boundary_scalings``: c_skip = 1, c_out = -t, f(x0, 0) = x0 exactly); the weight stays ECT's
   1 / (sigma_t - sigma_r), (1 - t)(1 - r) / (t - r) in flow times. Exported with ``FlowMatchLCMScheduler``
   (``scheduler=flow_lcm``: x0 = x_t - t v, re-noised to the next sigma). iCT (EDM's VE network) is refused there.
+- ``ect`` on a Flux teacher (``+exp=consistency_training_flux``): trained as on SD3 (ECT's pairs, unshifted: the
+  consistency function is learned at every flow time, whatever the resolution), sampled by ``FlowMatchLCMScheduler``
+  through ``FluxPipeline``, which gives it the sigmas linspace(1, 1/N, N) shifted by mu of the image's packed token
+  count (``use_dynamic_shifting``). The export samples at the training resolution by default
+  (``resolution``: ``default_sample_size``), so its N steps are at FluxPipeline's N-step sigmas at that mu (2 steps:
+  t = 1 and e^mu / (e^mu + 1)). A student with FLUX.1-dev's guidance embedding takes guidance 1 through it, in
+  training and in the export's default call (consistency training has no guidance).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from distill.diffusion.consistency import (
 from distill.diffusion.noise import stratified_unit
 from distill.inference.schedulers import check_scheduler_kind, make_scheduler, scheduler_options
 from distill.methods import METHODS
+from distill.methods.checks import check_resolution
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.conditioning import take_conditions
 from distill.models.moe import no_routing_record
@@ -85,6 +93,9 @@ class ConsistencyTraining(TeacherStudentDistillation):
         stages: int = 8,  # ECT's stages over the curriculum's length (the paper's 8): t - r halves at each
         ect_c: float = 0.0,  # sqrt(||d||^2 + c^2) - c; 0: the L2 norm (the paper's adaptive weighting, p = 1/2)
         timestep_scaling: float = 10.0,  # ect: LCM's boundary scalings (LCMScheduler's fixed values)
+        # the training images' side in pixels (conf/method/consistency_training.yaml: data.resolution); read only where
+        # the teacher's scheduler shifts by resolution (use_dynamic_shifting: Flux): the export samples at its mu
+        resolution: int | None = None,
         cache_prompts: bool = True,
         sampling: dict | None = None,
         **speed,
@@ -122,6 +133,7 @@ class ConsistencyTraining(TeacherStudentDistillation):
             raise ValueError(f"method.noise.preconditioning={self.noise.preconditioning}: consistency training has its "
                              "own parametrisation (iCT: EDM's; ECT: the teacher's); set it to none")
         self.flow = isinstance(self.schedule, FlowMatchingSchedule)
+        self.bind_resolution(resolution)  # under a resolution shift (Flux): the export's default size and its mu
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
         self.variant, self.p_mean, self.p_std, self.sigma_data = variant, p_mean, p_std, sigma_data
         self.sigma_min, self.sigma_max, self.rho, self.s0, self.s1 = sigma_min, sigma_max, rho, s0, s1
@@ -143,7 +155,7 @@ class ConsistencyTraining(TeacherStudentDistillation):
         if self.flow:  # x_t = (1 - t) x = (1 - t) x0 + t eps at flow time t = sigma / (1 + sigma)
             t = ct.flow_time(sigma.double())
             x_t = x * (1 - t).to(x).view(shape)
-            out = self.family.denoise(net, x_t, t.float(), cond).float()
+            out = self.family.denoise(net, x_t, t.float(), cond, **self._no_guidance(x)).float()
             return consistency_output(x_t, self.schedule.velocity(out, x_t, t.float()), *flow_boundary_scalings(t))
         if self.variant == "ict":
             c_skip, c_out = ct.edm_boundary_scalings(sigma.double(), self.sigma_data, self.sigma_min)
@@ -157,6 +169,13 @@ class ConsistencyTraining(TeacherStudentDistillation):
         x0, _ = to_x0_eps(self.schedule.prediction_type, out, x_vp, alpha, sigma_vp)
         c_skip, c_out = boundary_scalings(tau.to(x), 0.5, self.timestep_scaling)
         return consistency_output(x_vp, x0, c_skip, c_out)
+
+    def _no_guidance(self, x: torch.Tensor) -> dict:
+        """The guidance input of a student that has one (FLUX.1-dev's embedding): scale 1, no guidance, as the
+        export's default call gives it (``extra_call_defaults``)."""
+        if not self.student_guidance_embedded:
+            return {}
+        return self.family.guidance_input(torch.ones(x.shape[0], device=x.device))
 
     # ------------------------------------------------------------------ the training pairs
 
@@ -204,6 +223,7 @@ class ConsistencyTraining(TeacherStudentDistillation):
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)
+        self.check_latent_size(x0, "export's sampling grid")
         n, device = x0.shape[0], x0.device
         step = self.global_step if self._trainer is not None else 0
         pairs = self.ict_pairs if self.variant == "ict" else self.ect_pairs
@@ -262,27 +282,32 @@ class ConsistencyTraining(TeacherStudentDistillation):
             options.update(self.sampling.get("options") or {})
         return make_scheduler(name, self.noise_scheduler_config, **options)
 
-    def call_defaults(self) -> dict:
-        """The intended call: the configured steps, no classifier-free guidance (there is no teacher to guide). On a
-        flow teacher the steps are at the trailing sigmas shift(linspace(1, 1 / N, N)) (2 steps: t = 1, 0.75 at
-        SD3's shift 3), not FlowMatchLCMScheduler's own N points from 1 to its smallest training sigma (2 steps: 1,
-        0.009, a second step that re-noises almost nothing), as LCMScheduler's 2 steps re-noise to mid-schedule."""
-        defaults = {"default_num_inference_steps": self.num_inference_steps, "default_guidance_scale": 1.0,
-                    "guidance_distilled": False}
-        return {**defaults, "sigma_spacing": "trailing"} if self.flow else defaults
+    def extra_call_defaults(self) -> dict:
+        """No classifier-free guidance (there is no teacher to guide; a guidance input at 1, as trained). On a flow
+        teacher with a static shift the steps are at the trailing sigmas shift(linspace(1, 1 / N, N)) (2 steps:
+        t = 1, 0.75 at SD3's shift 3), not FlowMatchLCMScheduler's own N points from 1 to its smallest training sigma
+        (2 steps: 1, 0.009, a second step that re-noises almost nothing), as LCMScheduler's 2 steps re-noise to
+        mid-schedule; under a resolution shift FluxPipeline gives it those trailing sigmas itself, at the mu of the
+        training resolution that the export samples at by default (the base's ``resolution_defaults``)."""
+        defaults = {"default_guidance_scale": 1.0, "guidance_distilled": False}
+        if self.flow and not self.schedule.use_dynamic_shifting:
+            defaults["sigma_spacing"] = "trailing"
+        return defaults
 
     def guidance_source(self) -> str:
         return "no guidance"
 
     def guidance_note(self) -> str:
         network = "transformer" if self.flow else "UNet"
+        scale = ("its guidance embedding's input, trained at 1: another scale gives the network an input it was not "
+                 "trained with" if self.student_guidance_embedded else
+                 "a higher scale would add an unconditional pass the model was not trained for")
         return (f"trained by consistency training on conditional samples, with no teacher and no guidance: one {network} "
-                "evaluation per step at guidance_scale 1 (a higher scale would add an unconditional pass the model "
-                "was not trained for).")
+                f"evaluation per step at guidance_scale 1 ({scale}).")
 
     def export_info(self) -> dict:
         if self.flow:
-            return {"variant": self.variant, "stages": self.stages,
+            return {**super().export_info(), "variant": self.variant, "stages": self.stages,
                     "noise_levels": "sigma lognormal (p_mean, p_std) at flow time t = sigma / (1 + sigma)",
                     "consistency_function": "f(x_t, t) = x_t - t v (c_skip = 1, c_out = -t on the velocity)"}
         info = {"variant": self.variant, "sigma_data": self.sigma_data if self.variant == "ict" else 0.5}
@@ -291,3 +316,8 @@ class ConsistencyTraining(TeacherStudentDistillation):
         else:
             info.update(timestep_scaling=self.timestep_scaling, stages=self.stages)
         return info
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """``method.resolution`` is the training images' (``check_resolution``)."""
+        check_resolution(cfg)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from distill.data.latents import batch_size_of
+from distill.families.base import trailing_sigmas
 from distill.methods.base import DistillMethod, pipeline_images
 from distill.models.conditioning import concat_conditions
 from distill.models.teacher import Teacher
@@ -61,6 +62,11 @@ class TeacherStudentDistillation(DistillMethod):
         self.is_lora = self.student is self.teacher_unet
         self.w_dim = self.student.config.get("time_cond_proj_dim")  # None: no guidance-scale input
         self.guidance_scale_min, self.guidance_scale_max = guidance_scale_min, guidance_scale_max
+        # FLUX.1-dev: the guidance scale is the network's input, not a CFG pass (the family's guidance_input)
+        self.teacher_guidance_embedded = self.family.guidance_embedded(self.teacher_unet)
+        self.student_guidance_embedded = self.family.guidance_embedded(self.student)
+        # the training images' side, latent side and shift under a resolution shift (bind_resolution); None elsewhere
+        self.resolution, self.latent_size, self.mu = None, None, None
         self.strict_loading = False  # frozen teacher parts are not stored in checkpoints
 
     def _edm_student(self, student) -> nn.Module:
@@ -75,6 +81,46 @@ class TeacherStudentDistillation(DistillMethod):
                              "function the preconditioning would change: set method.noise.preconditioning=none")
         return EDMPreconditionedUNet2DConditionModel.wrap(self.student, self.family.scheduler.config,
                                                           self.family.prediction_type, self.noise.sigma_data)
+
+    # ------------------------------------------------------------------ resolution shift
+
+    def bind_resolution(self, resolution: int | None) -> None:
+        """Under a resolution shift (a ``use_dynamic_shifting`` flow scheduler: Flux's mu of the image's packed token
+        count) the student is trained at one resolution, ``resolution`` (the training images' side): its latent side
+        and mu are kept (``latent_size``, ``mu``), the flow grid is built at that mu (``trailing_flow_sigmas``) and
+        the export samples at that size by default (the family's ``resolution_defaults``). Nothing without one."""
+        if not getattr(self.schedule, "use_dynamic_shifting", False):
+            return
+        if not self.family.resolution_shift:
+            raise ValueError(f"method={self.method_name} on {self.teacher_source!r}: its scheduler shifts the sigmas by "
+                             "the image's resolution (use_dynamic_shifting), which the "
+                             f"{type(self.family).__name__}'s pipeline does not reproduce here (Flux's does); set "
+                             "use_dynamic_shifting=false with a fixed shift in the teacher's scheduler_config.json")
+        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        if resolution is None or resolution % factor:
+            raise ValueError(f"method.resolution={resolution} on {self.teacher_source!r}, whose scheduler shifts the "
+                             "sigmas by the image's resolution (use_dynamic_shifting): the student's time grid is built "
+                             f"at the training images' resolution, a multiple of the VAE's factor {factor}; set "
+                             f"method.resolution=${{data.resolution}} (conf/method/{self.method_name}.yaml does)")
+        size = resolution // factor
+        self.family.resolution_defaults(size, size)  # refuses a size the export cannot sample at by default
+        self.resolution, self.latent_size, self.mu = resolution, size, self.family.shift_mu(size, size)
+
+    def trailing_flow_sigmas(self, num_inference_steps: int) -> torch.Tensor:
+        """(N + 1,) the sigmas a flow pipeline samples N steps with from the unshifted sigmas linspace(1, 1 / N, N),
+        the terminal 0 appended: shifted by the scheduler's static shift (SD3, given them as ``sigmas``), or under a
+        resolution shift by mu of the training latents (``FluxPipeline.__call__``'s own sigmas at that size)."""
+        if self.latent_size is not None:
+            return self.family.inference_sigmas(num_inference_steps, self.latent_size, self.latent_size)[0]
+        return self.schedule.inference_sigmas(sigmas=trailing_sigmas(num_inference_steps))[0]
+
+    def check_latent_size(self, x0: torch.Tensor, grid: str) -> None:
+        """Under a resolution shift, latents of the size the ``grid``'s mu was built for (before any network runs)."""
+        if self.latent_size is not None and tuple(x0.shape[-2:]) != (self.latent_size, self.latent_size):
+            raise ValueError(f"the training latents are {tuple(x0.shape[-2:])}, but the {grid} is built at mu="
+                             f"{self.mu:.4f} of method.resolution={self.resolution} ({self.latent_size}x"
+                             f"{self.latent_size} latents): train on images of one resolution, that one (data."
+                             "resolution), or set method.resolution to the data's")
 
     # ------------------------------------------------------------------ frozen teacher and checkpoints
 
@@ -164,11 +210,17 @@ class TeacherStudentDistillation(DistillMethod):
         raise NotImplementedError
 
     def call_defaults(self) -> dict:
-        """The intended call: ``num_inference_steps``; the configured guidance as the student's w input, or, for a
-        student without one, guidance 1 and no CFG pass, the guidance being distilled into it."""
-        return {"default_num_inference_steps": self.num_inference_steps,
-                "default_guidance_scale": self.sampling["guidance_scale"] if self.w_dim is not None else 1.0,
-                "guidance_distilled": self.w_dim is None, **self.extra_call_defaults()}
+        """The intended call: ``num_inference_steps``; the configured guidance as the student's w input (a
+        ``timestep_cond`` embedding or FLUX.1-dev's guidance embedding), or, for a student without one, guidance 1
+        and no CFG pass, the guidance being distilled into it; under a resolution shift the size it was trained at
+        (so that a default call samples at that mu); then the method's own entries."""
+        takes_w = self.w_dim is not None or self.student_guidance_embedded
+        defaults = {"default_num_inference_steps": self.num_inference_steps,
+                    "default_guidance_scale": self.sampling["guidance_scale"] if takes_w else 1.0,
+                    "guidance_distilled": not takes_w}
+        if self.latent_size is not None:
+            defaults.update(self.family.resolution_defaults(self.latent_size, self.latent_size))
+        return {**defaults, **self.extra_call_defaults()}
 
     def extra_call_defaults(self) -> dict:
         """A method's own entries of the intended call (a flow student's sigma spacing, its trained resolution)."""
@@ -190,6 +242,10 @@ class TeacherStudentDistillation(DistillMethod):
 
     def guidance_note(self) -> str:
         """How the student takes guidance, for distill.json and the model card."""
+        if self.student_guidance_embedded:
+            return (f"distilled from {self.guidance_source()}, taken as an input (guidance_scale through the "
+                    "transformer's guidance embedding, as the pipeline passes it): one evaluation per step, never a "
+                    "CFG pass.")
         if self.w_dim is not None:
             return (f"distilled from {self.guidance_source()}, taken as an input (the embedding of guidance_scale - 1 "
                     "through timestep_cond): one UNet evaluation per step at any scale in that range, never a CFG pass.")
@@ -197,8 +253,11 @@ class TeacherStudentDistillation(DistillMethod):
                 "already guided; no CFG pass is run and guidance_scale has no effect.")
 
     def export_info(self) -> dict:
-        """The method's own entries of distill.json."""
-        return {}
+        """The method's own entries of distill.json (a method adds its own to these): under a resolution shift the
+        training resolution, latent side and mu, at which the export samples by default."""
+        if self.mu is None:
+            return {}
+        return {"resolution": self.resolution, "latent_size": self.latent_size, "mu": self.mu}
 
     def save_pipeline(self, pipe, out_dir: Path) -> str:
         """Save ``pipe`` to ``out_dir`` with the teacher's safety checker and feature extractor, where it has them;
@@ -222,7 +281,8 @@ class TeacherStudentDistillation(DistillMethod):
     def cfg_pass(self, defaults: dict) -> bool:
         """Whether the intended call runs a second (unconditional) UNet pass a step, as diffusers decides it: a
         student without a guidance input (w embedding) whose guidance is not distilled, at a scale above 1."""
-        return self.w_dim is None and not defaults["guidance_distilled"] and defaults["default_guidance_scale"] > 1
+        return (self.w_dim is None and not self.student_guidance_embedded and not defaults["guidance_distilled"]
+                and defaults["default_guidance_scale"] > 1)
 
     def export(self, out_dir: str | Path) -> Path:
         """A distill text-to-image pipeline folder (``pipeline``, its call defaults registered) with distill.json and

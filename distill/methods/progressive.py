@@ -1,5 +1,5 @@
 """Progressive distillation (Salimans & Ho 2022, Algorithm 2) in latent space, on a discrete VP teacher (DDIM
-steps) or a flow-matching one (SD3: Euler steps of the flow ODE).
+steps) or a flow-matching one (SD3, Flux: Euler steps of the flow ODE).
 
 Round r trains a student to do in one DDIM step what the current teacher does in two; then the
 student becomes the teacher and the step count halves. Classifier-free guidance follows Meng et al.
@@ -21,6 +21,16 @@ ones with alpha = 1 - t, sigma = t. Only the grid differs: the N-step student gr
 predicts the velocity (``flow_prediction``, what ``FlowMatchEulerDiscreteScheduler`` steps) and is sampled on that
 grid by the stock Euler scheduler given the unshifted sigmas linspace(1, 1/N, N) (as FluxPipeline passes them;
 the export's ``sigma_spacing="trailing"``).
+
+A scheduler that shifts by resolution (``use_dynamic_shifting``: Flux's mu of the image's packed token count) is
+distilled at one resolution, ``resolution`` (the training images' side): the N-step grid is what
+``FluxPipeline.__call__`` samples N steps with at that size, linspace(1, 1/N, N) shifted by its mu, terminal 0
+(``trailing_flow_sigmas``; linspace(1, 1/2N, 2N) holds linspace(1, 1/N, N) and the shift is monotone, so the 2N-step
+teacher grid holds it too), and the export samples at that size by default, where the stock pipeline's own sigmas
+are that grid. A teacher that takes the guidance scale as an input (FLUX.1-dev's guidance embedding:
+``guidance_embedded``) is stepped as its pipeline calls it, at ``guidance_scale`` through the embedding with no CFG
+pass, and a student with that input takes the same scale through it (every round's, the export's default); a
+teacher without one (FLUX.1-schnell's layout) is guided by CFG in velocity form, distilled into the students.
 """
 
 from __future__ import annotations
@@ -44,10 +54,9 @@ from distill.diffusion.flow import FLOW_PREDICTION_TYPES
 from distill.diffusion.losses import WEIGHTINGS
 from distill.diffusion.parametrization import PREDICTION_TYPES
 from distill.diffusion.progressive import progressive_x_target, round_schedule
-from distill.families.base import trailing_sigmas
 from distill.inference.schedulers import grid_timesteps
 from distill.methods import METHODS
-from distill.methods.checks import check_guidance_range, is_sharded
+from distill.methods.checks import check_guidance_range, check_resolution, is_sharded
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
@@ -75,6 +84,9 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         guided_stage_steps: int = 0,  # > 0: Meng et al. stage 1, a w-conditioned student first (time_cond_proj_dim)
         guidance_scale_min: float = 2.0,  # range of the CFG scale a w-conditioned student learns
         guidance_scale_max: float = 4.0,
+        # the training images' side in pixels (conf/method/progressive.yaml: data.resolution); read only where the
+        # teacher's scheduler shifts by resolution (use_dynamic_shifting: Flux), whose grids are built at its mu
+        resolution: int | None = None,
         sampling: dict | None = None,
         **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
@@ -91,11 +103,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         self.teacher_prediction_type = self.family.prediction_type
         self.flow = isinstance(self.schedule, FlowMatchingSchedule)
         student_prediction_type = check_student_prediction(student_prediction_type, self.flow, self.teacher_source)
-        if self.flow and self.schedule.use_dynamic_shifting:
-            raise ValueError(f"method=progressive on {self.teacher_source!r}: its scheduler shifts the sigmas by the "
-                             "image's resolution (use_dynamic_shifting, as Flux's); the student grid is built from a "
-                             "static shift (SD3's). Set use_dynamic_shifting=false with a fixed shift in the teacher's "
-                             "scheduler_config.json, or distil an SD3 teacher")
+        self.bind_resolution(resolution)  # under a resolution shift (Flux): the grids at the training images' mu
         self.student_prediction_type, self.loss_weighting = student_prediction_type, loss_weighting
         if self.noise.preconditioning == "edm":  # the EDM-wrapped student predicts what the student is trained to
             self.student.register_to_config(edm_prediction_type=student_prediction_type)
@@ -178,9 +186,10 @@ class ProgressiveDistillation(TeacherStudentDistillation):
     def _times(self, i: torch.Tensor, steps: int) -> torch.Tensor:
         """Time of grid point i on a ``steps``-step grid; i = 0 is the clean end. VP: the DDIM grid's integer
         timestep (index T: the clean sample), as the exported GridDDIMScheduler samples. Flow: t = shift(i / steps),
-        as FlowMatchEulerDiscreteScheduler shifts the sigmas linspace(1, 1 / N, N) and ends at 0."""
+        as FlowMatchEulerDiscreteScheduler shifts the sigmas linspace(1, 1 / N, N) (by its static shift, or by mu of
+        the training resolution) and ends at 0."""
         if self.flow:  # the scheduler's own float32 arithmetic, so that sampling steps on these very points
-            sigmas = self.schedule.inference_sigmas(sigmas=trailing_sigmas(steps))[0].to(i.device)  # t_N .. t_1, 0
+            sigmas = self.trailing_flow_sigmas(steps).to(i.device)  # t_N .. t_1, 0
             return sigmas[steps - i]
         return grid_timesteps(i, steps, self.num_train_timesteps)
 
@@ -197,7 +206,9 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         first round (or guided stage), later the previous student (w as an input when w-conditioned)."""
         tt = t if self.flow else t.clamp(max=self.num_train_timesteps - 1)  # VP: index T is the clean end
         original = self.round_index == self.first_round
-        if original and bool((scale != 1.0).any()):
+        if original and self.teacher_guidance_embedded:  # as its pipeline calls it: the scale as an input, no CFG pass
+            out = self.teacher_forward(x, tt, cond, **self.family.guidance_input(scale.to(x)))
+        elif original and bool((scale != 1.0).any()):
             out = cfg(*self.teacher_cond_uncond(x, tt, cond, uncond), scale.to(x))
         else:
             out = self.teacher_forward(x, tt, cond, **({} if original else w_kwargs))
@@ -233,10 +244,14 @@ class ProgressiveDistillation(TeacherStudentDistillation):
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)
+        self.check_latent_size(x0, "student grid")
         n, steps = x0.shape[0], self.student_steps
         cond, uncond = self.text_conditions(batch, n, x0.device)
         scale = self.paired(self._scales(n, generator)).to(x0.device)
-        w_kwargs = guidance_condition(scale - 1.0, self.w_dim, x0)  # pipelines embed w = scale - 1
+        if self.student_guidance_embedded:  # FLUX.1-dev: every student takes the first teacher's scale as its input
+            w_kwargs = self.family.guidance_input(torch.full((n,), float(self.hparams.guidance_scale), device=x0.device))
+        else:
+            w_kwargs = guidance_condition(scale - 1.0, self.w_dim, x0)  # pipelines embed w = scale - 1
         # bins 0..steps-1 = student grid points i = 1..steps (ascending noise: i = 0 is the clean end)
         grid = self._times(torch.arange(1, steps + 1, device=x0.device), steps)
         bins, iw = self.draw_time_bins(n, self.schedule.noise_level(grid), generator, stage=self.round_index)
@@ -278,17 +293,25 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         if self.w_conditioned:
             return (f"the teacher's classifier-free guidance at scales in [{self.guidance_scale_min}, "
                     f"{self.guidance_scale_max}]")
-        return f"the first teacher's classifier-free guidance at scale {self.hparams.guidance_scale}"
+        kind = "embedded guidance (its guidance input)" if self.teacher_guidance_embedded else "classifier-free guidance"
+        return f"the first teacher's {kind} at scale {self.hparams.guidance_scale}"
 
     def extra_call_defaults(self) -> dict:
         """A flow student samples on the trailing sigmas linspace(1, 1 / N, N) it was trained on (``sigma_spacing``),
-        not on the scheduler's own N points between 1 and its smallest training sigma."""
-        return {"sigma_spacing": "trailing"} if self.flow else {}
+        not on the scheduler's own N points between 1 and its smallest training sigma (under a resolution shift
+        FluxPipeline's own sigmas are those); a student with a guidance input at the scale it was trained at."""
+        defaults = {"sigma_spacing": "trailing"} if self.flow and not self.schedule.use_dynamic_shifting else {}
+        if self.student_guidance_embedded:
+            defaults["default_guidance_scale"] = float(self.hparams.guidance_scale)
+        return defaults
 
     def export_info(self) -> dict:
-        info = {"w_conditioned": self.w_conditioned, "prediction_type": self.student_prediction_type}
+        info = {**super().export_info(), "w_conditioned": self.w_conditioned,
+                "prediction_type": self.student_prediction_type}
         if self.flow:
-            info["grid"] = (f"t_i = shift(i / N), i = 0..N (shift {self.schedule.shift}): Euler steps on the unshifted "
+            shift = (f"shift by mu={self.mu:.6g} of the {self.resolution}px training images" if self.mu is not None
+                     else f"shift {self.schedule.shift}")
+            info["grid"] = (f"t_i = shift(i / N), i = 0..N ({shift}): Euler steps on the unshifted "
                             "sigmas linspace(1, 1/N, N), the last step to 0")
         if self.w_conditioned:
             info["guidance_scale_range"] = [self.guidance_scale_min, self.guidance_scale_max]
@@ -309,6 +332,7 @@ class ProgressiveDistillation(TeacherStudentDistillation):
         except ValueError as err:
             raise ValueError(f"method.start_steps / method.final_steps: {err}") from err
         check_guidance_range(method)
+        check_resolution(cfg)
         folder = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
         teacher = Path(str(folder)) if folder is not None else None
         if teacher is not None and teacher.is_dir():
