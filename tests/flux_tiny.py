@@ -32,8 +32,10 @@ def tiny_t5_tokenizer():
     return T5TokenizerFast(vocab=pieces, extra_ids=0)
 
 
-def tiny_flux_pipeline(vocab_folder: Path, guidance_embeds: bool = True, seed: int = 0):
-    """The in-memory FluxPipeline (the CLIP tokenizer written under ``vocab_folder``)."""
+def tiny_flux_pipeline(vocab_folder: Path, guidance_embeds: bool = True, seed: int = 0, num_layers: int = 1,
+                       num_single_layers: int = 1):
+    """The in-memory FluxPipeline (the CLIP tokenizer written under ``vocab_folder``), its transformer of
+    ``num_layers`` double- and ``num_single_layers`` single-stream blocks."""
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
@@ -45,8 +47,8 @@ def tiny_flux_pipeline(vocab_folder: Path, guidance_embeds: bool = True, seed: i
     tokenizer, tokenizer_2 = tiny_tokenizer(Path(vocab_folder)), tiny_t5_tokenizer()
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=T5_DIM, pooled_projection_dim=CLIP_DIM,
+        patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=num_layers, num_single_layers=num_single_layers,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=T5_DIM, pooled_projection_dim=CLIP_DIM,
         guidance_embeds=guidance_embeds, axes_dims_rope=(2, 2, 4)).eval()
     vae = AutoencoderKL(in_channels=1, out_channels=1, block_out_channels=(8,), latent_channels=LATENT_CHANNELS,
                         down_block_types=("DownEncoderBlock2D",), up_block_types=("UpDecoderBlock2D",),
@@ -62,9 +64,10 @@ def tiny_flux_pipeline(vocab_folder: Path, guidance_embeds: bool = True, seed: i
                         tokenizer_2=tokenizer_2, transformer=transformer)
 
 
-def write_tiny_flux(folder: Path, guidance_embeds: bool = True, seed: int = 0) -> Path:
+def write_tiny_flux(folder: Path, guidance_embeds: bool = True, seed: int = 0, num_layers: int = 1,
+                    num_single_layers: int = 1) -> Path:
     """The pipeline saved by ``save_pretrained``: transformer/, vae/, text_encoder{,_2}/, tokenizer{,_2}/,
     scheduler/ and model_index.json."""
     folder = Path(folder)
-    tiny_flux_pipeline(folder / "_vocab", guidance_embeds, seed).save_pretrained(folder)
+    tiny_flux_pipeline(folder / "_vocab", guidance_embeds, seed, num_layers, num_single_layers).save_pretrained(folder)
     return folder

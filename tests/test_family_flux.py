@@ -5,8 +5,9 @@ loading, conditioning bit for bit as encode_prompt, denoise as the transformer c
 through the family equal to FluxPipeline.__call__'s latents and images, the export through
 DiffusionPipeline.from_pretrained and through the stock class in a process that does not import distill,
 distill.evaluate and distill.sample end to end, and the refusals (a Flux folder without its T5, a training method
-other than consistency distillation, progressive distillation and ECT on a Flux teacher: tests/test_consistency_flux.py,
-tests/test_progressive_flux.py and tests/test_consistency_training_flux.py train it)."""
+other than consistency distillation, progressive distillation, ECT and feature distillation on a Flux teacher:
+tests/test_consistency_flux.py, tests/test_progressive_flux.py, tests/test_consistency_training_flux.py and
+tests/test_feature_distillation_flux.py train it)."""
 
 from __future__ import annotations
 
@@ -299,9 +300,9 @@ def test_evaluate_refuses_a_flux_folder_without_t5_with_exit_2(flux_dir, tmp_pat
 
 
 def test_a_training_method_on_a_flux_teacher_is_refused_from_its_configs(flux_dir):
-    """Consistency distillation, progressive distillation and ECT serve Flux; another method is refused before
-    anything loads, naming the family, the methods that can and what runs on it."""
-    assert FluxFamily.methods[:3] == ("consistency", "progressive", "consistency_training")
+    """Consistency distillation, progressive distillation, ECT and feature distillation serve Flux; another method is
+    refused before anything loads, naming the family, the methods that can and what runs on it."""
+    assert FluxFamily.methods == ("consistency", "progressive", "consistency_training", "feature_distillation")
     for method in FluxFamily.methods:
         check_method_serves(flux_dir, pipeline_configs(flux_dir), method)
     with pytest.raises(ValueError, match=r"is a 'flux' teacher \(FluxFamily, flow matching\), which "

@@ -402,6 +402,26 @@ def evenly_spaced_blocks(num_teacher: int, num_student: int) -> list[int]:
     return [(j + 1) * num_teacher // num_student - 1 for j in range(num_student)]
 
 
+def evenly_spaced_block_pairs(teacher: nn.Module, student: nn.Module,
+                              block_lists: dict[str, str]) -> dict[str, str]:
+    """Student block -> teacher block of a transformer's ``block_lists`` (block list -> the config key of its length,
+    in forward order): in each list student block j of L_s -> teacher block (j + 1) L_t // L_s - 1
+    (``evenly_spaced_blocks``; the same index at equal depth); a list the student lacks (L_s = 0) has no pairs. A
+    student deeper than the teacher in any list is refused, naming the list and the fix."""
+    pairs = {}
+    for blocks, key in block_lists.items():
+        num_teacher, num_student = len(getattr(teacher, blocks)), len(getattr(student, blocks))
+        if num_student > num_teacher:
+            raise ValueError(f"the student has {num_student} {blocks.replace('_', ' ')}, the teacher {num_teacher}: "
+                             "feature distillation matches each student block to a teacher block; use a student of "
+                             f"at most {num_teacher} (student=shallow student.{key}=...) or set "
+                             "method.feature_weight=0")
+        if num_student:
+            pairs.update({f"{blocks}.{j}": f"{blocks}.{i}"
+                          for j, i in enumerate(evenly_spaced_blocks(num_teacher, num_student))})
+    return pairs
+
+
 def trailing_sigmas(num_inference_steps: int) -> list[float]:
     """The unshifted sigmas of an N-step grid ending at 0, linspace(1, 1 / N, N), as the float32 values the flow
     scheduler's ``set_timesteps(sigmas=...)`` takes them (what a stock pipeline call passes as ``sigmas``)."""

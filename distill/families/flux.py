@@ -26,6 +26,12 @@ too), and records the resolution and mu in distill.json. A FLUX.1-dev-style teac
 stepped at its guidance input with no CFG pass, as ``FluxPipeline`` calls it, and its student takes the guidance
 scale the same way (ECT, which has no guidance, at 1); a teacher without the embedding is guided by true CFG
 (``FluxPipeline``'s ``true_cfg_scale``) in velocity form, and its student samples guidance-distilled.
+
+It is compressed by BK-SDM's output and feature distillation (``+exp=compress_flux``): the student is the teacher's
+transformer with some double- and single-stream blocks kept (``student=shallow``), each block's image tokens
+(``block_feature``) matched to those of its evenly spaced teacher block of the same kind (``feature_block_pairs``),
+t drawn logit-normal and shifted by the training resolution's mu, teacher and student both at the export's embedded
+guidance (FLUX.1-dev) or without guidance (FLUX.1-schnell), sampled as the teacher: FluxPipeline's 28 Euler steps.
 """
 
 from __future__ import annotations
@@ -46,7 +52,12 @@ from distill.diffusion.flow import (
     resolution_shift_mu,
 )
 from distill.diffusion.packing import latent_image_ids, pack_latents, unpack_latents
-from distill.families.base import FAMILIES, ModelFamily, TransformerCallDefaults
+from distill.families.base import (
+    FAMILIES,
+    ModelFamily,
+    TransformerCallDefaults,
+    evenly_spaced_block_pairs,
+)
 from distill.models.conditioning import TextConditioner
 from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
 
@@ -57,6 +68,8 @@ FLUX_SAMPLE_SIZE = 128
 FLUX_TIMESTEP_SCALE = 1000  # FluxPipeline passes timestep / 1000; the transformer multiplies by 1000 again
 PACK = 2  # latents are packed in PACK x PACK patches (FluxPipeline's _pack_latents)
 T5_PARTS = ("text_encoder_2", "tokenizer_2")
+# FluxTransformer2DModel's block lists in forward order, each with the config key of its length
+FLUX_BLOCK_LISTS = {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"}
 
 
 class FluxConditioner(TextConditioner):
@@ -138,7 +151,7 @@ class FluxFamily(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     # their time grids and exports at the training resolution's shift (resolution_shift)
-    methods = ("consistency", "progressive", "consistency_training")
+    methods = ("consistency", "progressive", "consistency_training", "feature_distillation")
     flow_matching = True
     classifier_free_guidance = False  # FluxPipeline passes guidance_scale to the transformer (guidance_input)
     resolution_shift = True  # FluxPipeline shifts by mu of the packed token count (shift_mu)
@@ -270,8 +283,29 @@ class FluxFamily(ModelFamily):
     @classmethod
     def feature_blocks(cls, network: nn.Module, mid_block: bool = False) -> dict[str, nn.Module]:
         """Every double-stream block, then every single-stream block (``mid_block`` has no meaning here)."""
-        return {**{f"transformer_blocks.{i}": b for i, b in enumerate(network.transformer_blocks)},
-                **{f"single_transformer_blocks.{i}": b for i, b in enumerate(network.single_transformer_blocks)}}
+        return {f"{blocks}.{i}": b for blocks in FLUX_BLOCK_LISTS for i, b in enumerate(getattr(network, blocks))}
+
+    feature_width_dim = -1  # a block feature is (N, T, D): image tokens x width
+
+    @staticmethod
+    def block_feature(output: tuple) -> torch.Tensor:
+        """The image tokens (N, T, D): ``FluxTransformerBlock`` and ``FluxSingleTransformerBlock`` both return
+        (encoder_hidden_states, hidden_states), the text stream first (a single block splits its joint sequence back
+        into the two)."""
+        return output[1]
+
+    @classmethod
+    def feature_block_pairs(cls, teacher: nn.Module, student: nn.Module, mid_block: bool = False) -> dict[str, str]:
+        """Double-stream blocks to double-stream blocks and single- to single-stream ones, in each list student block
+        j of L_s -> teacher block (j + 1) L_t // L_s - 1 (``evenly_spaced_block_pairs``: the same index at equal
+        depth; for ``student=shallow``, which keeps those very blocks, each block to its own origin). A student with
+        more blocks of either kind is refused."""
+        return evenly_spaced_block_pairs(teacher, student, FLUX_BLOCK_LISTS)
+
+    @staticmethod
+    def feature_regressor(student_width: int, teacher_width: int) -> nn.Module:
+        """FitNets' regressor on the token width: a linear map D_s -> D_t applied to every token."""
+        return nn.Linear(student_width, teacher_width)
 
     # ------------------------------------------------------------------ export and pipelines
 

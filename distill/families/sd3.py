@@ -30,7 +30,7 @@ from distill.families.base import (
     SIGMA_SPACINGS,
     ModelFamily,
     TransformerCallDefaults,
-    evenly_spaced_blocks,
+    evenly_spaced_block_pairs,
     trailing_sigmas,
 )
 from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
@@ -38,6 +38,7 @@ from distill.models.teacher import Teacher, is_flow_matching, pipeline_configs
 SD3_MAX_SEQUENCE_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length: T5 tokens (zeros without T5)
 SD3_NUM_INFERENCE_STEPS, SD3_GUIDANCE_SCALE = 28, 7.0  # StableDiffusion3Pipeline.__call__'s defaults
 T5_PARTS = ("text_encoder_3", "tokenizer_3")
+SD3_BLOCK_LISTS = {"transformer_blocks": "num_layers"}  # SD3Transformer2DModel's joint blocks, with their count's key
 
 
 class SD3Conditioner(nn.Module):
@@ -291,18 +292,11 @@ class StableDiffusion3Family(ModelFamily):
 
     @classmethod
     def feature_block_pairs(cls, teacher: nn.Module, student: nn.Module, mid_block: bool = False) -> dict[str, str]:
-        """Student block j of L_s -> teacher block (j + 1) L_t // L_s - 1 (``evenly_spaced_blocks``: the same index
-        at equal depth; the block ending each of L_s equal runs of teacher blocks, the last to the last, for a
+        """Student block j of L_s -> teacher block (j + 1) L_t // L_s - 1 (``evenly_spaced_block_pairs``: the same
+        index at equal depth; the block ending each of L_s equal runs of teacher blocks, the last to the last, for a
         shallower student such as ``student=shallow``, which starts from those very blocks). A deeper student is
         refused."""
-        num_teacher, num_student = len(teacher.transformer_blocks), len(student.transformer_blocks)
-        if num_student > num_teacher:
-            raise ValueError(f"the student has {num_student} transformer blocks, the teacher {num_teacher}: feature "
-                             "distillation matches each student block to a teacher block; use a student of at most "
-                             f"{num_teacher} blocks (student=shallow student.num_layers=...) or set "
-                             "method.feature_weight=0")
-        return {f"transformer_blocks.{j}": f"transformer_blocks.{i}"
-                for j, i in enumerate(evenly_spaced_blocks(num_teacher, num_student))}
+        return evenly_spaced_block_pairs(teacher, student, SD3_BLOCK_LISTS)
 
     @staticmethod
     def feature_regressor(student_width: int, teacher_width: int) -> nn.Module:

@@ -23,6 +23,12 @@ of a block's output is its feature (a joint transformer block's image tokens (N,
 teacher block a shallower student's block stands for (evenly spaced, ``evenly_spaced_blocks``) and the regressor of a
 narrower one (a linear map on the token width) are the family's: ``feature_blocks``, ``block_feature``,
 ``feature_block_pairs``, ``feature_regressor``.
+
+On a teacher whose scheduler shifts by resolution (Flux: ``use_dynamic_shifting``) the draw is shifted by mu of the
+training images' resolution (``resolution``, ``bind_resolution``), and the export samples at that resolution by
+default, so at the same mu. Where the pipeline passes the guidance scale to the network (FLUX.1-dev's guidance
+embedding) teacher and student are both called at the export's default scale, as the pipeline calls them; Flux's
+pipeline runs no CFG pass.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from distill.data.latents import batch_size_of
 from distill.diffusion import FlowMatchingSchedule, flow
 from distill.inference.schedulers import check_scheduler_kind
 from distill.methods import METHODS
+from distill.methods.checks import check_resolution
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
@@ -83,6 +90,9 @@ class FeatureDistillation(TeacherStudentDistillation):
         logit_mean: float = flow.LOGIT_MEAN,
         logit_std: float = flow.LOGIT_STD,
         mode_scale: float = flow.MODE_SCALE,
+        # the training images' side in pixels (conf/method/feature_distillation.yaml: data.resolution); read only where
+        # the teacher's scheduler shifts by resolution (use_dynamic_shifting: Flux), whose t draw is shifted by its mu
+        resolution: int | None = None,
         sampling: dict | None = None,
         **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
@@ -102,7 +112,8 @@ class FeatureDistillation(TeacherStudentDistillation):
         self.cond_dropout = cond_dropout
         self.flow = isinstance(self.schedule, FlowMatchingSchedule)
         if self.flow:
-            check_flow_settings(self.noise, time_sampling, self.schedule.use_dynamic_shifting, self.teacher_source)
+            check_flow_settings(self.noise, time_sampling, self.teacher_source)
+            self.bind_resolution(resolution)  # under a resolution shift (Flux): t drawn at the training images' mu
         self.time_sampling, self.logit_mean, self.logit_std, self.mode_scale = (time_sampling, logit_mean, logit_std,
                                                                                  mode_scale)
         self.sampling = dict(sampling or self.default_sampling())
@@ -164,13 +175,16 @@ class FeatureDistillation(TeacherStudentDistillation):
                 self.regressors[name.replace(".", "_")] = self.family.feature_regressor(width_s, width_t)
 
     def draw_times(self, n: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(t, importance weights) for ``n`` examples: on a flow teacher SD3's training draw (``time_sampling``,
-        shifted by the scheduler's shift; Esser et al. 2024, sec. 3.1), antithetic partners sharing it, unweighted;
-        on a VP teacher one integer timestep bin each (``method.noise``)."""
+        """(t, importance weights) for ``n`` examples: on a flow teacher SD3's training draw (``time_sampling``;
+        Esser et al. 2024, sec. 3.1) shifted as its scheduler shifts its sigmas, by the static shift (SD3) or by mu of
+        the training images' resolution (Flux: e^mu / (e^mu + 1 / t - 1)), antithetic partners sharing it,
+        unweighted; on a VP teacher one integer timestep bin each (``method.noise``)."""
         if self.flow:
             u = flow.sample_flow_times(self.distinct_rows(n), self.time_sampling, self.logit_mean, self.logit_std,
                                        self.mode_scale, generator=generator)
-            return self.paired(self.schedule.shift_times(u), n), None
+            t = (self.schedule.shift_times(u) if self.mu is None
+                 else flow.time_shift(u, self.mu, 1.0, self.schedule.time_shift_type))
+            return self.paired(t, n), None
         return self.draw_time_bins(n, self.schedule.ve_sigmas.float(), generator)
 
     # ------------------------------------------------------------------ objective
@@ -179,6 +193,7 @@ class FeatureDistillation(TeacherStudentDistillation):
         """The three terms (unweighted) and their weighted sum ``loss`` at one noise level per example."""
         batch = self.paired_batch(batch)  # method.noise.antithetic: rows in pairs sharing all but the noise's sign
         x0 = self.latents(batch, generator)
+        self.check_latent_size(x0, "training time distribution")
         n = x0.shape[0]
         drop = self.paired(torch.rand(n, generator=generator) < self.cond_dropout) if self.cond_dropout > 0 else None
         cond = self.family.condition(batch, drop)
@@ -186,9 +201,11 @@ class FeatureDistillation(TeacherStudentDistillation):
         t = t.to(x0.device)
         eps = self.draw_noise(x0, generator)
         x_t = self.schedule.add_noise(x0, eps, t)
-        teacher_out = self.teacher_forward(x_t, t, cond) if self.output_weight > 0 or self.feature_weight > 0 else None
+        extra = self.guidance_inputs(n, x0.device)
+        teacher_out = (self.teacher_forward(x_t, t, cond, **extra) if self.output_weight > 0 or self.feature_weight > 0
+                       else None)
         teacher_feats = self._teacher_rec.pop() if self.feature_weight > 0 else {}
-        pred = self.family.denoise(self.student, x_t, t, cond).float()
+        pred = self.family.denoise(self.student, x_t, t, cond, **extra).float()
         def mse(a, b):  # per example: the importance weights (method.noise) apply per example
             return (a.float() - b.float()).pow(2).flatten(1).mean(1)
 
@@ -212,6 +229,12 @@ class FeatureDistillation(TeacherStudentDistillation):
         terms = {k: self.weighted_mean(v, iw) for k, v in terms.items()}
         terms["loss"] = self.weighted_mean(per_example, iw)
         return terms
+
+    def guidance_inputs(self, n: int, device: torch.device) -> dict:
+        """The networks' guidance input where the family's pipeline passes the guidance scale to the network (FLUX.1-
+        dev's embedding, ``guidance_input``): teacher and student both at the export's default scale, the one its
+        pipeline calls the student with; none elsewhere (classifier-free guidance is learnt through cond_dropout)."""
+        return self.family.guidance_input(torch.full((n,), float(self.sampling["guidance_scale"]), device=device))
 
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         terms = self.loss_terms(batch, generator)
@@ -237,24 +260,41 @@ class FeatureDistillation(TeacherStudentDistillation):
         return make_scheduler(name, self.noise_scheduler_config, **options)
 
     def call_defaults(self) -> dict:
-        """Sampled as the teacher is: its step count and classifier-free guidance (two branches per step)."""
-        return {"default_num_inference_steps": self.num_inference_steps,
-                "default_guidance_scale": self.sampling["guidance_scale"], "guidance_distilled": False}
+        """Sampled as the teacher is: its step count and its guidance (classifier-free, two branches per step; FLUX.1-
+        dev's through its embedding), under a resolution shift at the training size (the base's)."""
+        return {**super().call_defaults(), "default_guidance_scale": self.sampling["guidance_scale"],
+                "guidance_distilled": False}
+
+    def cfg_pass(self, defaults: dict) -> bool:
+        """A CFG pass only where the family's pipeline runs one for a scale above 1 (not Flux's)."""
+        return self.family.classifier_free_guidance and super().cfg_pass(defaults)
 
     def guidance_source(self) -> str:
+        if not self.family.classifier_free_guidance:
+            return "none: the student learns the teacher's predictions, both called as the teacher's pipeline calls it"
         return "none: the student learns the teacher's conditional and unconditional predictions"
 
     def guidance_note(self) -> str:
+        scale = self.sampling["guidance_scale"]
+        if self.teacher_guidance_embedded:
+            return (f"as the teacher's pipeline: guidance_scale={scale} through the transformer's guidance embedding, "
+                    "the scale teacher and student were both called at in training; one pass a step, no CFG pass.")
+        if not self.family.classifier_free_guidance:
+            return "as the teacher's pipeline: one unguided pass a step (no guidance input, no CFG pass)."
         return (f"classifier-free guidance at sampling time, as the teacher (trained with condition dropout "
-                f"{self.cond_dropout}): guidance_scale={self.sampling['guidance_scale']} runs a conditional and an "
+                f"{self.cond_dropout}): guidance_scale={scale} runs a conditional and an "
                 "unconditional branch per step.")
 
     def export_info(self) -> dict:
-        info = {"prediction_type": self.schedule.prediction_type, "task_weight": self.task_weight,
+        info = {**super().export_info(), "prediction_type": self.schedule.prediction_type, "task_weight": self.task_weight,
                 "output_weight": self.output_weight, "feature_weight": self.feature_weight,
                 "cond_dropout": self.cond_dropout}
-        if self.flow:
-            info["time_sampling"], info["shift"] = self.time_sampling, self.schedule.shift
+        if self.flow:  # under a resolution shift the base records its mu instead of a static shift
+            info["time_sampling"] = self.time_sampling
+            if self.mu is None:
+                info["shift"] = self.schedule.shift
+        if self.teacher_guidance_embedded:
+            info["embedded_guidance"] = self.sampling["guidance_scale"]
         if self.feature_weight > 0 and any(s != t for s, t in self.feature_pairs.items()):
             info["feature_pairs"] = dict(self.feature_pairs)  # student block -> teacher block
         return info
@@ -283,26 +323,23 @@ class FeatureDistillation(TeacherStudentDistillation):
 
         method = cfg.method
         cls.check_settings(method.task_weight, method.output_weight, method.feature_weight, method.cond_dropout)
+        check_resolution(cfg)
         folder = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
         config_file = Path(str(folder)) / "scheduler" / "scheduler_config.json" if folder is not None else None
         if config_file is None or not config_file.is_file():
             return
         config = json.loads(config_file.read_text())
         if is_flow_matching(config):
-            check_flow_settings(method.noise, method.time_sampling, bool(config.get("use_dynamic_shifting")), str(folder))
+            check_flow_settings(method.noise, method.time_sampling, str(folder))
         check_scheduler_kind(getattr(cfg.scheduler.name, "value", cfg.scheduler.name), config)  # the choice's name
 
 
-def check_flow_settings(noise, time_sampling: str, use_dynamic_shifting: bool, teacher: str) -> None:
+def check_flow_settings(noise, time_sampling: str, teacher: str) -> None:
     """What feature distillation on a flow-matching teacher cannot do: ``method.noise``'s VP timestep-bin proposals
-    and stratification (t is drawn by ``method.time_sampling``), a resolution-dependent shift (Flux's)."""
+    and stratification (t is drawn by ``method.time_sampling``)."""
     if noise.timesteps != "default" or noise.stratified:
         raise ValueError(f"method.noise.timesteps={noise.timesteps!r} / stratified={noise.stratified} on the "
                          f"flow-matching teacher {teacher!r}: they draw discrete VP timestep bins; a flow teacher's t "
                          "is drawn by method.time_sampling: leave method.noise.timesteps=default, stratified=false")
     if time_sampling not in flow.TIME_SAMPLINGS:
         raise ValueError(f"method.time_sampling={time_sampling!r}; use one of {list(flow.TIME_SAMPLINGS)}")
-    if use_dynamic_shifting:
-        raise ValueError(f"method=feature_distillation on {teacher!r}: its scheduler shifts the sigmas by the image's "
-                         "resolution (use_dynamic_shifting, Flux's); the training times are shifted by a static shift "
-                         "(SD3's): distil an SD3 teacher")

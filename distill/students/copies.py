@@ -1,6 +1,7 @@
 """Students built from a teacher's network (a UNet, or SD3's or Flux's transformer): a full copy (a UNet optionally
-w-conditioned), a fresh UNet, an SD3 transformer with blocks removed (``shallow``), or LoRA adapters (peft). A UNet trained before (``pretrained_student``) is loaded in
-``distill.students.pretrained``, which knows every UNet class distill exports."""
+w-conditioned), a fresh UNet, an SD3 or Flux transformer with blocks removed (``shallow``), or LoRA adapters (peft).
+A UNet trained before (``pretrained_student``) is loaded in ``distill.students.pretrained``, which knows every UNet
+class distill exports."""
 
 from __future__ import annotations
 
@@ -54,34 +55,49 @@ def fresh_student(teacher_unet: UNet2DConditionModel, seed: int = 0, time_cond_p
 
 
 @STUDENTS.register("shallow")
-def shallow_student(teacher_unet: nn.Module, num_layers: int | None = None,
+def shallow_student(teacher_unet: nn.Module, num_layers: int | None = None, num_single_layers: int | None = None,
                     gradient_checkpointing: bool = False) -> nn.Module:
-    """The teacher's SD3 transformer with ``num_layers`` (default: half, rounded up) of its L joint blocks kept, with
-    their weights, the rest removed (BK-SDM's block removal, Kim et al. 2023): student block j is teacher block
-    (j + 1) L // num_layers - 1
-    (``evenly_spaced_blocks``, the last kept as the last, context_pre_only, block), the block whose feature feature
-    distillation matches it to, so that the student starts from the features it learns to reproduce."""
-    from diffusers import SD3Transformer2DModel
+    """The teacher's transformer with some of its blocks kept, with their weights, the rest removed (BK-SDM's block
+    removal, Kim et al. 2023): ``num_layers`` of the L joint blocks of SD3, or of the double-stream blocks of Flux,
+    and Flux's ``num_single_layers`` single-stream blocks (each default: half, rounded up). Of each list, student
+    block j is teacher block (j + 1) L // n - 1 (``evenly_spaced_blocks``, the last kept as the last: SD3's
+    context_pre_only block), the block whose feature feature distillation matches it to
+    (``ModelFamily.feature_block_pairs``), so that the student starts from the features it learns to reproduce."""
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     from distill.families.base import evenly_spaced_blocks
+    from distill.families.flux import FLUX_BLOCK_LISTS
+    from distill.families.sd3 import SD3_BLOCK_LISTS
 
-    if not isinstance(teacher_unet, SD3Transformer2DModel):
-        raise ValueError(f"student=shallow removes joint blocks of an SD3 transformer; the teacher's denoiser is a "
+    # the block lists it thins, in forward order, each with the config key of its length (the families' own)
+    shallow_blocks = {SD3Transformer2DModel: SD3_BLOCK_LISTS, FluxTransformer2DModel: FLUX_BLOCK_LISTS}
+    found = [cls for cls in shallow_blocks if isinstance(teacher_unet, cls)]
+    if not found:
+        raise ValueError(f"student=shallow removes blocks of an SD3 or Flux transformer; the teacher's denoiser is a "
                          f"{type(teacher_unet).__name__}: use student=pruned or lowrank")
-    total = len(teacher_unet.transformer_blocks)
-    num_layers = (total + 1) // 2 if num_layers is None else num_layers
-    try:
-        kept = evenly_spaced_blocks(total, num_layers)
-    except ValueError as err:
-        raise ValueError(f"student.num_layers={num_layers}: {err}") from None  # the key first (train shows the root)
-    config = dict(teacher_unet.config)
-    dual = set(config.get("dual_attention_layers") or ())
-    config.update(num_layers=num_layers, dual_attention_layers=tuple(j for j, i in enumerate(kept) if i in dual))
-    student = SD3Transformer2DModel.from_config(config)
-    renamed = {f"transformer_blocks.{i}.": f"transformer_blocks.{j}." for j, i in enumerate(kept)}
+    name, lists = found[0].__name__, shallow_blocks[found[0]]
+    asked = {"num_layers": num_layers, "num_single_layers": num_single_layers}
+    for key, value in asked.items():
+        if value is not None and key not in lists.values():
+            raise ValueError(f"student.{key}={value}: a {name} has no such blocks (its block lists: "
+                             f"{list(lists)}); set student.{key}=null")
+    config, renamed = dict(teacher_unet.config), {}
+    for blocks, key in lists.items():
+        total = len(getattr(teacher_unet, blocks))
+        n = (total + 1) // 2 if asked[key] is None else asked[key]
+        try:
+            kept = evenly_spaced_blocks(total, n)
+        except ValueError as err:
+            raise ValueError(f"student.{key}={n}: {err}") from None  # the key first (train shows the root)
+        config[key] = n
+        if blocks == "transformer_blocks" and "dual_attention_layers" in config:  # SD3.5's, by block index
+            dual = set(config["dual_attention_layers"] or ())
+            config["dual_attention_layers"] = tuple(j for j, i in enumerate(kept) if i in dual)
+        renamed.update({f"{blocks}.{i}.": f"{blocks}.{j}." for j, i in enumerate(kept)})
+    student = found[0].from_config(config)
     state = {}
     for key, value in teacher_unet.state_dict().items():
-        if not key.startswith("transformer_blocks."):
+        if key.split(".")[0] not in lists:
             state[key] = value
             continue
         prefix = ".".join(key.split(".")[:2]) + "."
