@@ -155,7 +155,7 @@ def test_a_registered_accelerator_without_a_preset_file_is_a_preset_too():
     assert isinstance(preset("reuse"), ReuseOutput) and preset("reuse").interval == 2
     assert accelerator_options("deepcache")["options"]["interval"] == 3  # a preset file first
     with pytest.raises(ValueError, match=r"accelerator 'cache' is unknown; use one of the presets \['classifier', .*"
-                                         r"or the registered kinds \['classifier', 'deepcache', 'forecast', 'none'"):
+                                         r"or the registered kinds \['classifier', 'deepcache', 'fbcache', 'forecast', 'none'"):
         preset("cache")
 
 

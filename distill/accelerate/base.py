@@ -172,6 +172,14 @@ def accelerated_denoiser(denoiser: torch.nn.Module, accelerator: Accelerator | N
         session.stop()
 
 
+def call_input(args, kwargs) -> torch.Tensor:
+    """The noisy input of a denoiser call: the first argument, else ``sample`` (a UNet) or ``hidden_states``
+    (a diffusers transformer, as the SD3 and Flux pipelines pass it)."""
+    if args:
+        return args[0]
+    return kwargs["sample"] if "sample" in kwargs else kwargs["hidden_states"]
+
+
 def output_tensor(out):
     """The sample tensor of a network call's output: a tensor, a tuple or a diffusers ``BaseOutput``."""
     if isinstance(out, torch.Tensor):

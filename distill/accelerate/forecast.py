@@ -27,7 +27,13 @@ from pathlib import Path
 import torch
 from diffusers.hooks.taylorseer_cache import TaylorSeerState
 
-from distill.accelerate.base import Accelerator, check_schedulers, like_output, output_tensor
+from distill.accelerate.base import (
+    Accelerator,
+    call_input,
+    check_schedulers,
+    like_output,
+    output_tensor,
+)
 from distill.accelerate.registry import ACCELERATORS
 
 PREDICTORS = ("taylor", "fitted")
@@ -252,7 +258,7 @@ class Forecast(Accelerator):
         return self.position
 
     def call(self, context, forward, *args, **kwargs):
-        sample = args[0] if args else kwargs["sample"]
+        sample = call_input(args, kwargs)
         key = (tuple(sample.shape), sample.dtype)
         step, self.calls = self.calls, self.calls + 1
         position = self._advance(args[1] if len(args) > 1 else kwargs.get("timestep"))

@@ -5,5 +5,6 @@ from __future__ import annotations
 
 from distill.utils.registry import Registry
 
-ACCELERATORS = Registry("accelerator", modules=("distill.accelerate.base", "distill.accelerate.deepcache",
-                                                "distill.accelerate.forecast", "distill.accelerate.guidance"))
+ACCELERATORS = Registry("accelerator", modules=("distill.accelerate.base", "distill.accelerate.blockcache",
+                                                "distill.accelerate.deepcache", "distill.accelerate.forecast",
+                                                "distill.accelerate.guidance"))

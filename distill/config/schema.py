@@ -236,6 +236,7 @@ class FitForecasterConfig:
     guidance_scale: float | None = None  # default: the pipeline's distill.json, else its pipeline class's __call__ default
     lags: int = 2  # real outputs each prediction combines
     ridge: float = 1e-4  # ridge penalty, relative to the mean diagonal of the normal equations
+    degree: int = 4  # accelerate=teacache: the degree of the rescaling polynomial (TeaCache's)
     out: str | None = None  # default: the pipeline folder (a folder inside the package or a hub id: the run dir)
 
 
