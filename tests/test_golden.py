@@ -16,8 +16,9 @@ diffusion (``+exp=teacher``), ``SLOW_RUNS`` (all five: ``-m ""``). Compared, exa
 The reference stores hashes, not weights, with a sum and an absolute maximum per tensor so that a failure
 says what moved and by how much. Everything runs on one thread (the trainings get OMP_NUM_THREADS=1, the
 pipeline calls ``torch.set_num_threads(1)``): the bytes of a CPU convolution may depend on the thread count.
-The reference holds for one environment (torch, diffusers and CPU kind of ``tests/golden/ENV.json``); on
-another, a mismatch may be the environment, which the failure message says.
+The reference holds bit for bit in one environment (torch, diffusers and CPU kind of ``tests/golden/ENV.json``);
+in another (a CPU of another kind rounds differently in its kernels) the same numbers are compared within rounding
+instead: every loss, every tensor's sum and absolute maximum, the images' mean (``_close_diffs``).
 
 Regenerate the reference ONLY for an intended change of behaviour (never to make a refactor pass), and
 say so in the commit message:
@@ -224,13 +225,52 @@ def _check(name: str, got: dict) -> None:
         (GOLDEN / "ENV.json").write_text(json.dumps(_env(), indent=1) + "\n")
         return
     want = json.loads(path.read_text())
+    env, here = json.loads((GOLDEN / "ENV.json").read_text()), _env()
+    if env != here:  # another CPU kind or library: its kernels round differently; the numbers must still agree
+        problems = _close_diffs(want, got)
+        if problems:
+            pytest.fail(f"{name} ({_command(name)}) differs from {path.name} beyond rounding (the reference was made "
+                        f"in {env}, this is {here}):\n" + "\n".join(problems))
+        return
     problems = _loss_diffs(want["losses"], got["losses"])
     for kind in ("checkpoint", "export"):
         problems += _tensor_diffs(kind, want[kind], got[kind])
     if want["images"] != got["images"]:
         problems.append(f"images of pipe({PROMPT!r}): {want['images']} -> {got['images']}")
     if problems:
-        env, here = json.loads((GOLDEN / "ENV.json").read_text()), _env()
-        note = "" if env == here else f"\nNOTE: the reference was made in {env}, this is {here}"
-        pytest.fail(f"{name} ({_command(name)}) is not bit-identical to "
-                    f"{path.name}:\n" + "\n".join(problems) + note)
+        pytest.fail(f"{name} ({_command(name)}) is not bit-identical to {path.name}:\n" + "\n".join(problems))
+
+
+# Outside the reference's environment, what rounding in other kernels moves (measured: an AMD EPYC against the
+# Intel Xeon reference, consistency: 1e-6 of the loss at step 0, 2e-5 at step 5, 1.5e-3 at step 19 as the
+# trajectories part; weights' sums by 1e-5 of their absolute maximum): the first losses tight, where a schedule,
+# noise or loss change shows first, the later ones loosely
+EARLY_STEPS, EARLY_LOSS_RTOL, LOSS_RTOL, TENSOR_RTOL, IMAGE_MEAN_ATOL = 5, 1e-4, 1e-2, 1e-3, 0.5
+
+
+def _close_diffs(want: dict, got: dict) -> list[str]:
+    """The reference compared within rounding: every loss, every tensor's sum and absolute maximum (relative to the
+    tensor's size times its absolute maximum), the images' shape and mean; no hashes."""
+    problems = []
+    if [s for s, _ in want["losses"]] != [s for s, _ in got["losses"]]:
+        problems.append(f"losses logged at other steps: {len(want['losses'])} -> {len(got['losses'])}")
+    for (step, w), (_, g) in zip(want["losses"], got["losses"]):
+        w, g = float.fromhex(w), float.fromhex(g)
+        if abs(w - g) > (EARLY_LOSS_RTOL if step < EARLY_STEPS else LOSS_RTOL) * abs(w):
+            problems.append(f"loss at step {step}: {w!r} -> {g!r}")
+    for kind in ("checkpoint", "export"):
+        if set(want[kind]) != set(got[kind]):
+            problems.append(f"{kind}: tensors differ in name: {sorted(set(want[kind]) ^ set(got[kind]))[:10]}")
+        for k in sorted(set(want[kind]) & set(got[kind])):
+            w, g = want[kind][k], got[kind][k]
+            scale = max(w["absmax"], 1e-12)
+            size = max(int(np.prod(w["shape"])), 1)
+            if (w["shape"], w["dtype"]) != (g["shape"], g["dtype"]) or abs(w["absmax"] - g["absmax"]) > TENSOR_RTOL * scale \
+                    or abs(w["sum"] - g["sum"]) > TENSOR_RTOL * scale * size ** 0.5:
+                problems.append(f"{kind}: {k}: " + ", ".join(f"{f} {w[f]!r} -> {g[f]!r}"
+                                                             for f in ("sum", "absmax", "shape", "dtype")))
+    wi, gi = want["images"], got["images"]
+    if (wi["shape"], wi["pipeline"], wi["scheduler"]) != (gi["shape"], gi["pipeline"], gi["scheduler"]) \
+            or abs(wi["mean"] - gi["mean"]) > IMAGE_MEAN_ATOL:
+        problems.append(f"images of pipe({PROMPT!r}): {wi} -> {gi}")
+    return problems
