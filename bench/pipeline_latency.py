@@ -9,10 +9,14 @@ prompts and generator seed; median over rounds.
 A variant is ``NAME=FOLDER[:key=value,...]``: the folder is loaded with ``DiffusionPipeline.from_pretrained`` (the
 class its ``model_index.json`` names; ``distill``'s pipeline classes are registered first), and each call passes
 ``num_inference_steps`` (``steps``), ``guidance_scale`` and any other ``key=value`` given, nothing else: an export's
-own defaults (its ``distill.json`` call) fill the rest, as for a user. Columns:
+own defaults (its ``distill.json`` call) fill the rest, as for a user. ``accelerate=PRESET`` samples with a
+training-free accelerator of ``conf/accelerate`` (``distill.accelerate.enable``, once, before any call) and
+``accelerate.KEY=VALUE`` sets its options (``accelerate.path``: default the folder), e.g.
+``"fbcache=FOLDER:steps=28,accelerate=fbcache,accelerate.threshold=0.08"``. Columns:
 
 * NFE / image: the denoiser's calls in one sampling call over the batch (``distill.metrics.cost.NFECounter``: a CFG
-  step counts 2 where the pipeline batches both branches);
+  step counts 2 where the pipeline batches both branches); a call a cache shortened counts, and ``cached_share``
+  in the JSON is the share of calls that were shortened;
 * ms / image at each batch size: one pipeline call for B prompts (text encoder, every step, VAE decode) over B;
 * speed-up against ``--reference``: per round, median over rounds (median of ratios), and beside it the
   reference's median time over the variant's (ratio of medians): the two differ when the load drifts;
@@ -63,6 +67,9 @@ def parse_variant(text: str) -> tuple[str, Path, dict]:
         if not sep:
             raise ValueError(f"variant {name}: option {item!r} is not key=value")
         call["num_inference_steps" if key == "steps" else key] = parse_value(value)
+    options = sorted(k for k in call if k.startswith("accelerate."))
+    if options and "accelerate" not in call:
+        raise ValueError(f"variant {name}: accelerator options {options} without accelerate=PRESET")
     path = Path(folder)
     if not (path / "model_index.json").is_file():
         raise ValueError(f"variant {name}: {folder} has no model_index.json; give a pipeline folder "
@@ -107,9 +114,19 @@ class Variant:
         import distill.inference.pipelines  # noqa: F401  (registers distill's pipeline classes)
         from distill.families import denoiser_of
 
+        call = dict(call)
+        kind = call.pop("accelerate", None)
+        options = {k.removeprefix("accelerate."): call.pop(k) for k in list(call) if k.startswith("accelerate.")}
         self.name, self.folder, self.call = name, folder, call
         self.pipe = DiffusionPipeline.from_pretrained(folder, dtype=dtype).to(device)
         self.pipe.set_progress_bar_config(disable=True)
+        self.accelerator = None
+        if kind is not None:
+            from distill.accelerate import accelerator_options, enable, make_accelerator
+
+            node = accelerator_options(kind)
+            self.accelerator = make_accelerator(node["kind"], {**node["options"], **options}, path=str(folder))
+            enable(self.pipe, self.accelerator, guidance_scale=call.get("guidance_scale"))
         self.denoiser = denoiser_of(self.pipe)
         self.device, self.prompt, self.seed = device, prompt, seed
         self.rounds_s: dict[int, list[float]] = {}
@@ -127,6 +144,7 @@ class Variant:
 
         with NFECounter(self.denoiser) as counter:
             self.sample(batch)
+        self.cached_share = counter.cached / max(counter.calls, 1)  # of the network calls, those that skipped part
         return counter.examples / batch
 
 
@@ -149,7 +167,9 @@ def run(args: argparse.Namespace) -> dict:
     ref = next(v for v in variants if v.name == args.reference)
     rows = []
     for v in variants:
-        row = {"variant": v.name, "folder": str(v.folder), "call": v.call, "nfe_per_image": v.nfe_per_image,
+        row = {"variant": v.name, "folder": str(v.folder), "call": v.call,
+               "accelerator": v.accelerator.describe() if v.accelerator is not None else None,
+               "nfe_per_image": v.nfe_per_image, "cached_share": v.cached_share,
                "peak_memory_mb": v.peak_mb, "rounds_s_per_image": {str(b): s for b, s in v.rounds_s.items()}}
         for b in args.batch_sizes:
             row[f"ms_per_image_b{b}"] = 1e3 * statistics.median(v.rounds_s[b])
@@ -165,7 +185,7 @@ def table(rows: list[dict], batch_sizes: list[int], reference: str) -> str:
             + [f"peak memory MB (b{max(batch_sizes)})"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        call = ", ".join(f"{k}={v}" for k, v in r["call"].items())
+        call = ", ".join([f"{k}={v}" for k, v in r["call"].items()] + ([r["accelerator"]] if r["accelerator"] else []))
         cells = ([r["variant"], call, f"{r['nfe_per_image']:g}"]
                  + [f"{r[f'ms_per_image_b{b}']:.1f}" for b in batch_sizes]
                  + [f"{r[f'speedup_b{b}_median_of_ratios']:.2f}x / {r[f'speedup_b{b}_ratio_of_medians']:.2f}x"

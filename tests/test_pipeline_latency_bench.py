@@ -23,7 +23,8 @@ def test_variants_parse_with_their_call_arguments(tmp_path):
 @pytest.mark.parametrize("argv, message", [(["nofolder"], "give NAME=FOLDER"),
                                            (["a={f}", "a={f}"], "variant names must differ"),
                                            (["a={f}", "--reference", "b"], "--reference b is not a variant"),
-                                           (["a={f}:steps"], "is not key=value")])
+                                           (["a={f}:steps"], "is not key=value"),
+                                           (["a={f}:accelerate.threshold=0"], "without accelerate=PRESET")])
 def test_bad_arguments_exit_2_naming_them(argv, message, capsys):
     argv = [a.format(f=asset_path("flow_teacher")) for a in argv]
     with pytest.raises(SystemExit) as exit_:
@@ -47,3 +48,17 @@ def test_tiny_run_times_every_variant_and_counts_its_evaluations(tmp_path):
         assert row["peak_memory_mb"] > 5  # the flow teacher's weights alone are ~5 MB in float32
     assert cfg["speedup_b1_median_of_ratios"] == 1.0 and cfg["speedup_b2_ratio_of_medians"] == 1.0
     assert "| plain@1 | num_inference_steps=1, guidance_scale=1.0 | 1 |" in out["table"]
+
+
+def test_an_accelerated_variant_samples_with_its_preset_and_options(tmp_path):
+    folder = asset_path("flow_teacher")
+    out = pipeline_latency.main([f"plain={folder}:steps=4,guidance_scale=3.0",
+                                 f"fb0={folder}:steps=4,guidance_scale=3.0,accelerate=fbcache,accelerate.threshold=0",
+                                 f"fb={folder}:steps=4,guidance_scale=3.0,accelerate=fbcache,accelerate.threshold=100",
+                                 "--batch-sizes", "1", "--rounds", "1", "--threads", "1"])
+    plain, fb0, fb = out["rows"]
+    assert plain["accelerator"] is None and fb0["accelerator"] == "fbcache(threshold=0)"
+    assert plain["nfe_per_image"] == fb0["nfe_per_image"] == fb["nfe_per_image"] == 8  # cached calls still count
+    assert plain["cached_share"] == fb0["cached_share"] == 0
+    assert fb["cached_share"] == 3 / 4  # every call after the first skips the blocks after the first
+    assert "| fb | num_inference_steps=4, guidance_scale=3.0, fbcache(threshold=100) | 8 |" in out["table"]
