@@ -26,12 +26,16 @@ t=(pipeline=$TEACHER "schedulers=[flow_euler]" "steps=[28]" guidance_scale=3.0)
 mkdir -p "$OUT/fit_teacher"
 fit $TEACHER 28 "$OUT/fit_teacher" scheduler=flow_euler guidance_scale=3.0
 run teacher28 "${t[@]}"
-for thr in 0.08 0.15; do
+for thr in 0.08 0.1 0.12 0.15; do
   run "teacher28-fbcache$thr" "${t[@]}" accelerate=fbcache accelerate.options.threshold=$thr
 done
-for thr in 0.25 0.5; do
+for thr in 0.05 0.1 0.25 0.5; do
   run "teacher28-teacache$thr" "${t[@]}" accelerate=teacache accelerate.options.threshold=$thr \
     accelerate.options.path="$OUT/fit_teacher"
+done
+for thr in 0.1 0.2; do  # TeaCache without rescaling: the raw change of the modulated input accumulated
+  run "teacher28-teacache-raw$thr" "${t[@]}" accelerate=teacache accelerate.options.threshold=$thr \
+    accelerate.options.rescale=false
 done
 run teacher28-taylor2 "${t[@]}" accelerate=forecast
 if [ -n "$STUDENT" ]; then

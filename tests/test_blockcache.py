@@ -51,7 +51,8 @@ class Recorder:
 
     def __init__(self, net, replace: tuple[int, object] | None = None):
         self.calls, self.replace = [], replace
-        first, last = net.transformer_blocks[0], net.transformer_blocks[-1]
+        blocks = stack_blocks(net)  # SD3: the joint blocks; Flux: the double- then the single-stream blocks
+        first, last = blocks[0], blocks[-1]
         self.handles = [first.register_forward_hook(self.first, with_kwargs=True),
                         last.register_forward_hook(self.last, with_kwargs=True),
                         net.register_forward_hook(lambda m, a, kw, out: self.calls[-1].update(out=out[0]),
@@ -75,14 +76,19 @@ class Recorder:
             h.remove()
 
 
-def transformer_outputs(pipe, accelerator, steps: int = STEPS) -> list[torch.Tensor]:
+def transformer_outputs_of(pipe, accelerator, steps: int = STEPS, prompts=("a handwritten digit three",),
+                           **call) -> list[torch.Tensor]:
     outs = []
     hook = pipe.transformer.register_forward_hook(lambda m, a, kw, out: outs.append(out[0]), with_kwargs=True)
     try:
-        sample(pipe, accelerator, steps)
+        sample(pipe, accelerator, steps, prompts=list(prompts), **call)
     finally:
         hook.remove()
     return outs
+
+
+def transformer_outputs(pipe, accelerator, steps: int = STEPS) -> list[torch.Tensor]:
+    return transformer_outputs_of(pipe, accelerator, steps, PROMPTS)
 
 
 @pytest.mark.parametrize("kind, options", [("fbcache", {"threshold": 0.0}),
@@ -137,6 +143,7 @@ def test_teacache_accumulates_the_rescaled_change_of_the_modulated_input_and_ski
     assert decisions[:len(expected)] == expected and expected[-1] is False
     assert cache.changes[:len(expected) - 1] == pytest.approx(changes[:len(expected) - 1], rel=1e-6)
     assert decisions[-1] is True  # the last step always runs
+    assert TeaCache(coefficients=[1.0, -1.0]).rescaled(0.5) == 0.0  # x - 1 < 0 at 0.5: counted as no change
 
 
 def test_teacache_skips_the_whole_stack_with_the_cached_residual_on_its_input(pipe):
@@ -147,6 +154,25 @@ def test_teacache_skips_the_whole_stack_with_the_cached_residual_on_its_input(pi
     with Recorder(pipe.transformer, replace=(1, lambda calls: calls[1]["h0"] + calls[0]["hL"] - calls[0]["h0"])
                   ) as hand:
         sample(pipe, steps=4)
+    torch.testing.assert_close(outs[1], hand.calls[1]["out"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["fbcache", "teacache"])
+def test_a_skip_on_flux_reuses_the_residual_through_its_single_stream_blocks(tmp_path, kind):
+    from tests.flux_tiny import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline(tmp_path, num_layers=2, num_single_layers=2)
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(height=32, width=32, max_sequence_length=8, guidance_scale=3.5)
+    cache = (FirstBlockCache(threshold=1e9) if kind == "fbcache" else TeaCache(threshold=1e9, rescale=False))
+    outs = transformer_outputs_of(pipe, cache, 4, **call)
+    assert [d for _, d in cache.decisions] == ([True, False, False, False] if kind == "fbcache"
+                                               else [True, False, False, True])
+    # the skipped call 1 by hand: the last single-stream block's image tokens replaced by the cached residual
+    # (FBC: on the new first-block output; TeaCache: on the stack's input)
+    start = "h1" if kind == "fbcache" else "h0"
+    with Recorder(pipe.transformer, replace=(1, lambda c: c[1][start] + c[0]["hL"] - c[0][start])) as hand:
+        sample(pipe, None, 4, prompts=["a handwritten digit three"], **call)
     torch.testing.assert_close(outs[1], hand.calls[1]["out"], rtol=1e-5, atol=1e-6)
 
 
