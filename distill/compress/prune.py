@@ -179,6 +179,21 @@ def _check_ratio(key: str, value) -> float:
     return float(value)
 
 
+def check_settings(ratio, target: str, importance: str, threshold: float, calibrated: bool, needs: str) -> float:
+    """The settings every pruner takes, refused naming the key and the fix (Taylor importance without what it
+    ``needs``: ``calibrated`` False); returns the ratio."""
+    ratio = _check_ratio("student.ratio", ratio)
+    if target not in TARGETS:
+        raise ValueError(f"student.target={target!r} is not one of {list(TARGETS)}")
+    if importance not in IMPORTANCES:
+        raise ValueError(f"student.importance={importance!r} is not one of {list(IMPORTANCES)}")
+    if importance == "taylor" and not calibrated:
+        raise ValueError(f"student.importance='taylor' needs {needs}; use importance='magnitude' to prune without data")
+    if not 0 <= threshold < 1:
+        raise ValueError(f"student.threshold={threshold!r} must be in [0, 1): 0 keeps every given time")
+    return ratio
+
+
 def _check_prunable(unet: nn.Module) -> None:
     """Only dense diffusers UNets: others are refused with what to do instead."""
     from distill.models.moe import MoEFeedForward, TimestepMoEUNet, TokenMoEUNet
@@ -292,6 +307,7 @@ class PruneReport:
     channel_fraction: float | None = None
     search: list[tuple[float, float]] = field(default_factory=list)
     timesteps: list[int] = field(default_factory=list)
+    flow_times: list[float] = field(default_factory=list)  # the flow times a transformer's Taylor score summed over
     losses: list[float] = field(default_factory=list)
     layer_shapes: dict[str, dict] = field(default_factory=dict)
 
@@ -556,32 +572,45 @@ def _uniform_cut(run: _Pruning, ranked: Sequence[_RankedGroup], heads: Mapping[s
 
 
 def _prune_uniform(run: _Pruning, ratio: float) -> tuple[UNet2DConditionModel, float, list[tuple[float, float]]]:
-    """The same fraction f of every group's units (and heads) removed, rounded per group (``_kept``): of all f
-    up to ``MAX_CHANNEL_RATIO``, the one whose result removes nearest ``ratio``. The removed share only grows
-    with f and changes only where some group's rounded count does, so one f per interval between those points
-    is bisected. Returns the model, its f and the (f, removed share) evaluated."""
+    """The same fraction f of every group's units (and heads) removed, rounded per group (``_kept``), the f whose
+    result removes nearest ``ratio`` (``search_uniform_fraction``)."""
     ranked, heads = _rank_groups(run)
     sizes = {g.units for g in ranked} | set(run.heads_before.values() if heads else ())
+
+    def cut(fraction: float) -> tuple[nn.Module, float]:
+        model = _uniform_cut(run, ranked, heads, fraction)
+        return model, run.removed(model)
+
+    return search_uniform_fraction(sizes, cut, run.fresh_copy(), ratio, run.target)
+
+
+def search_uniform_fraction(sizes: Iterable[int], cut: Callable[[float], tuple[nn.Module, float]],
+                            unpruned: nn.Module, ratio: float, target: str
+                            ) -> tuple[nn.Module, float, list[tuple[float, float]]]:
+    """Of all fractions f up to ``MAX_CHANNEL_RATIO`` removed from every group of ``sizes`` units (each rounded,
+    ``_kept``), the one whose network (``cut(f)``: it and the fraction of ``target`` removed) removes nearest
+    ``ratio``. The removed share only grows with f and changes only where some group's rounded count does, so one f
+    per interval between those points is bisected. Returns the network, its f and the (f, removed share) evaluated."""
+    sizes = set(sizes)
     edges = sorted({0.0, MAX_CHANNEL_RATIO} | {1 - (k + 0.5) / n for n in sizes for k in range(n)
                                                if 0 < 1 - (k + 0.5) / n < MAX_CHANNEL_RATIO})
     fractions = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-    cuts = {0: (run.fresh_copy(), 0.0)}  # below the first breakpoint every count rounds to all its units
+    cuts = {0: (unpruned, 0.0)}  # below the first breakpoint every count rounds to all its units
 
-    def cut(i: int) -> float:
+    def removed(i: int) -> float:
         if i not in cuts:
-            model = _uniform_cut(run, ranked, heads, fractions[i])
-            cuts[i] = model, run.removed(model)
+            cuts[i] = cut(fractions[i])
         return cuts[i][1]
 
     lo, hi = 0, len(fractions) - 1  # the first fraction reaching the ratio is in (lo, hi] if any is
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if cut(mid) >= ratio else (mid, hi)
-    if cut(hi) < ratio:
-        raise ValueError(f"student.ratio={ratio} of {run.target} is out of reach: removing {MAX_CHANNEL_RATIO:.0%} "
-                         f"of every group's channels removed {cut(hi):.1%}; ask for less")
-    best = min((lo, hi), key=lambda i: abs(cut(i) - ratio))
-    return cuts[best][0], fractions[best], sorted((fractions[i], removed) for i, (_, removed) in cuts.items())
+        lo, hi = (lo, mid) if removed(mid) >= ratio else (mid, hi)
+    if removed(hi) < ratio:
+        raise ValueError(f"student.ratio={ratio} of {target} is out of reach: removing {MAX_CHANNEL_RATIO:.0%} "
+                         f"of every group's channels removed {removed(hi):.1%}; ask for less")
+    best = min((lo, hi), key=lambda i: abs(removed(i) - ratio))
+    return cuts[best][0], fractions[best], sorted((fractions[i], share) for i, (_, share) in cuts.items())
 
 
 def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops", importance: str = "magnitude",
@@ -603,16 +632,8 @@ def prune_unet(unet: UNet2DConditionModel, ratio: float, *, target: str = "flops
     nearest ``ratio``. ``prune_heads=False`` keeps the attention widths.
     ``example_inputs`` (UNet keyword inputs) set the traced shapes and the counted FLOPs; by default batch 1
     at the config's sample size with a 77-token text input."""
-    ratio = _check_ratio("student.ratio", ratio)
-    if target not in TARGETS:
-        raise ValueError(f"student.target={target!r} is not one of {list(TARGETS)}")
-    if importance not in IMPORTANCES:
-        raise ValueError(f"student.importance={importance!r} is not one of {list(IMPORTANCES)}")
-    if importance == "taylor" and (calib is None or noise_scheduler is None):
-        raise ValueError("student.importance='taylor' needs calibration batches (student.calib) and the teacher's "
-                         "noise_scheduler; use importance='magnitude' to prune without data")
-    if not 0 <= threshold < 1:
-        raise ValueError(f"student.threshold={threshold!r} must be in [0, 1): 0 keeps every given timestep")
+    ratio = check_settings(ratio, target, importance, threshold, calib is not None and noise_scheduler is not None,
+                           "calibration batches (student.calib) and the teacher's noise_scheduler")
     if iterative_steps < 1:
         raise ValueError(f"student.iterative_steps={iterative_steps!r} must be >= 1")
     _check_prunable(unet)

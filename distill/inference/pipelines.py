@@ -31,6 +31,7 @@ from diffusers.utils.torch_utils import randn_tensor
 # this module is all that loading any distill export needs.
 import distill.compress.lowrank  # noqa: F401
 import distill.compress.prune  # noqa: F401
+import distill.compress.prune_transformer  # noqa: F401  (the pruned SD3 and Flux transformers)
 import distill.families.sd3  # noqa: F401  (DistillSD3Pipeline, the SD3 family's export class)
 import distill.inference.schedulers  # noqa: F401
 import distill.models.moe  # noqa: F401

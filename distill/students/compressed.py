@@ -1,4 +1,5 @@
-"""Compressed students built from the teacher's UNet, for every method (``student=lowrank``, ``student=pruned``).
+"""Compressed students built from the teacher's network, for every method (``student=lowrank``, ``student=pruned``;
+pruning also takes SD3's and Flux's transformers).
 
 Each starts as the teacher's copy (``copy_student``: optionally with the zero-initialised guidance-scale input
 a latent consistency student takes), then is made smaller; the method trains it back to quality. The report of
@@ -14,9 +15,15 @@ from itertools import islice
 
 import torch
 from diffusers import UNet2DConditionModel
+from torch import nn
 
 from distill.compress.lowrank import UNET_KEEP_DENSE, LowRankUNet2DConditionModel, lowrank_unet
 from distill.compress.prune import _check_ratio, prune_unet, unet_example_inputs
+from distill.compress.prune_transformer import (
+    TRANSFORMERS,
+    prune_transformer,
+    transformer_example_inputs,
+)
 from distill.students import STUDENTS
 from distill.students.copies import copy_student
 
@@ -47,10 +54,11 @@ def lowrank_student(teacher_unet: UNet2DConditionModel, rank: int | Mapping[str,
     return student.train().requires_grad_(True)
 
 
-def calibration_batches(datamodule, teacher, num_batches: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(latents, encoder_hidden_states) of the first ``num_batches`` training batches of ``datamodule``, through
-    the teacher's family: its latents (a posterior draw, seeded) and its text conditioning, with no prompt cache
-    (each batch's prompts encoded together): what Taylor importance is measured on."""
+def calibration_batches(datamodule, teacher, num_batches: int, seed: int = 0) -> list[tuple[torch.Tensor, dict]]:
+    """(latents, conditioning) of the first ``num_batches`` training batches of ``datamodule``, through the teacher's
+    family: its latents (a posterior draw, seeded) and its conditioning keyword arguments (a UNet's
+    ``encoder_hidden_states``, SD3's and Flux's with their pooled projections), with no prompt cache (each batch's
+    prompts encoded together): what Taylor importance is measured on."""
     if num_batches < 1:
         raise ValueError(f"student.calib_batches={num_batches} must be >= 1")
     datamodule.setup("fit")
@@ -59,24 +67,60 @@ def calibration_batches(datamodule, teacher, num_batches: int, seed: int = 0) ->
     batches = []
     with torch.no_grad():
         for batch in islice(datamodule.train_dataloader(), num_batches):
-            latents = family.encode(batch["pixel_values"], generator)
-            batches.append((latents, family.condition(batch)["encoder_hidden_states"]))
+            batches.append((family.encode(batch["pixel_values"], generator), family.condition(batch)))
     return batches
 
 
-@STUDENTS.register("pruned")
-def pruned_student(teacher_unet: UNet2DConditionModel, ratio: float = 0.5, target: str = "flops",
+def check_pruning_options(transformer: bool, per_block: bool, timesteps, flow_times) -> None:
+    """Refuse an option of the other kind of denoiser: global ranking and VP timesteps on a transformer (UNet only),
+    flow times on a UNet."""
+    if transformer and not per_block:
+        raise ValueError("student.per_block=false ranks channels over a whole UNet (torch-pruning's global pruning); a "
+                         "transformer is pruned by the same fraction of heads and MLP channels in every block: set "
+                         "student.per_block=true")
+    if transformer and timesteps is not None:
+        raise ValueError(f"student.timesteps={list(timesteps)} are a UNet teacher's discrete timesteps; a transformer's "
+                         "Taylor score sums over flow times in [0, 1]: set student.timesteps=null (and "
+                         "student.flow_times=[...] to choose them)")
+    if not transformer and flow_times is not None:
+        raise ValueError(f"student.flow_times={list(flow_times)} are a flow transformer's times; the teacher is a UNet, "
+                         "whose Taylor score sums over its timesteps: set student.flow_times=null (and "
+                         "student.timesteps=[...] to choose them)")
+
+
+def _check_pruned(cfg) -> None:
+    """``student.ratio`` and the options that fit the teacher's denoiser (a local teacher's configs, no weights)."""
+    from pathlib import Path
+
+    from distill.models.teacher import pipeline_configs
+
+    student = cfg.student
+    _check_ratio("student.ratio", student.ratio)
+    path = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
+    if path is not None and Path(str(path)).exists():
+        denoiser = pipeline_configs(str(path)).get("transformer", {}).get("_class_name")
+        check_pruning_options(denoiser in {cls.__name__ for cls in TRANSFORMERS}, student.per_block,
+                              student.timesteps, student.flow_times)
+
+
+@STUDENTS.register("pruned", check_config=_check_pruned)
+def pruned_student(teacher_unet: nn.Module, ratio: float = 0.5, target: str = "flops",
                    importance: str = "magnitude", per_block: bool = True, prune_heads: bool = True,
                    iterative_steps: int = 50, timesteps: Sequence[int] | None = None, threshold: float = 0.05,
-                   calib_data=None, calib_batches: int = 4, time_cond_proj_dim: int | None = None,
-                   gradient_checkpointing: bool = False, seed: int = 0, teacher=None):
-    """The teacher with ``ratio`` of its FLOPs (or parameters) removed by structured channel and head pruning
-    (``distill.compress.prune``), magnitude or Diff-Pruning's timestep-aggregated Taylor importance; the latter
-    is measured on ``calib_batches`` batches of ``calib_data`` (a data module; ``+exp=compress`` passes the
-    training data) over every training timestep until the ``threshold`` stops it (``timesteps`` thins them).
-    ``per_block`` (a uniform width multiplier) or global ranking, which alone takes ``iterative_steps``: see
-    ``prune_unet``. FLOPs are counted at the teacher's sample size and text length."""
+                   flow_times: Sequence[float] | None = None, calib_data=None, calib_batches: int = 4,
+                   time_cond_proj_dim: int | None = None, gradient_checkpointing: bool = False, seed: int = 0,
+                   teacher=None):
+    """The teacher with ``ratio`` of its FLOPs (or parameters) removed by structured pruning, magnitude or
+    Diff-Pruning's Taylor importance; the latter is measured on ``calib_batches`` batches of ``calib_data`` (a data
+    module; ``+exp=compress`` passes the training data). A UNet loses channels and heads (``distill.compress.prune``):
+    Taylor over every training timestep until the ``threshold`` stops it (``timesteps`` thins them), ``per_block`` (a
+    uniform width multiplier) or global ranking, which alone takes ``iterative_steps``: see ``prune_unet``. An SD3 or
+    Flux transformer loses the same fraction of every block's attention heads and MLP channels
+    (``distill.compress.prune_transformer``; ``prune_heads=False``: MLP channels only), Taylor over ``flow_times``
+    (default 8) until the ``threshold`` stops it. FLOPs are counted at the teacher's sample size and text length."""
     _check_ratio("student.ratio", ratio)  # before the copy and any calibration compute
+    transformer = isinstance(teacher_unet, TRANSFORMERS)
+    check_pruning_options(transformer, per_block, timesteps, flow_times)
     calib = None
     if importance == "taylor":
         if calib_data is None or teacher is None:
@@ -84,13 +128,24 @@ def pruned_student(teacher_unet: UNet2DConditionModel, ratio: float = 0.5, targe
                              "(the training data) or use student.importance=magnitude")
         calib = calibration_batches(calib_data, teacher, calib_batches, seed)
     dense = copy_student(teacher_unet, time_cond_proj_dim)
-    text_len = teacher.tokenizer.model_max_length if teacher is not None else None
-    inputs = unet_example_inputs(dense, text_len=text_len) if text_len else None
-    student, report = prune_unet(dense, ratio, target=target, importance=importance, calib=calib,
-                                 noise_scheduler=teacher.scheduler if teacher is not None else None,
-                                 timesteps=timesteps, threshold=threshold, per_block=per_block,
-                                 prune_heads=prune_heads, iterative_steps=iterative_steps, example_inputs=inputs,
-                                 seed=seed)
+    if transformer:
+        inputs = None
+        if teacher is not None:  # the context length the teacher's conditioner gives
+            text_len = teacher.family.null_condition(1)["encoder_hidden_states"].shape[1]
+            inputs = transformer_example_inputs(dense, text_len=text_len)
+        student, report = prune_transformer(dense, ratio, target=target, importance=importance,
+                                            family=teacher.family if teacher is not None else None, calib=calib,
+                                            flow_times=flow_times, threshold=threshold, prune_heads=prune_heads,
+                                            example_inputs=inputs, seed=seed)
+    else:
+        text_len = teacher.tokenizer.model_max_length if teacher is not None else None
+        inputs = unet_example_inputs(dense, text_len=text_len) if text_len else None
+        calib = [(x0, cond["encoder_hidden_states"]) for x0, cond in calib] if calib is not None else None
+        student, report = prune_unet(dense, ratio, target=target, importance=importance, calib=calib,
+                                     noise_scheduler=teacher.scheduler if teacher is not None else None,
+                                     timesteps=timesteps, threshold=threshold, per_block=per_block,
+                                     prune_heads=prune_heads, iterative_steps=iterative_steps, example_inputs=inputs,
+                                     seed=seed)
     log.info("pruned student: %s", report.table())
     if gradient_checkpointing:
         student.enable_gradient_checkpointing()
