@@ -1,6 +1,6 @@
 """Caches that skip a transformer's blocks on some calls: First-Block Cache and TeaCache.
 
-A diffusion transformer (SD3's MMDiT, Flux, the digits flow DiT) runs its input embedding, then a stack of blocks,
+A diffusion transformer (SD3's MMDiT, Flux, any stack of blocks diffusers' registry describes) runs its input embedding, then a stack of blocks,
 then an output head. Both caches decide per network call whether the blocks run; when they do not, the stack's
 output is its input plus the residual (output - input of the skipped part) stored at the last call that ran it,
 and the head still runs. What decides:
@@ -285,8 +285,8 @@ class TeaCache(BlockCache):
 
     def rescaled(self, change: float) -> float:
         """The polynomial's estimate of the output's change, at least 0: a polynomial of degree 4 fitted on a
-        narrow range of changes can dip below 0 at its edge (measured on the digits flow DiT: -0.02 at the
-        smallest recorded change, 0.052), where a change cannot be negative."""
+        narrow range of changes can dip below 0 at its edge (docs/accelerators.md gives a measured case),
+        where a change cannot be negative."""
         return max(float(self._poly()(change)), 0.0)
 
     def attach(self, denoiser: nn.Module, context) -> None:
