@@ -41,13 +41,15 @@ def test_every_registry_lists_its_built_in_parts():
     from distill.metrics.registry import METRICS, FIDMetric
     from distill.students import STUDENTS
     from distill.students.copies import lora_student
+    from distill.students.moe import _check_moe
 
     assert set(METHODS_BUILT_IN) <= set(METHODS.names()) and METHODS["consistency"] is LatentConsistencyDistillation
     assert set(STUDENTS_BUILT_IN) <= set(STUDENTS.names()) and STUDENTS["lora"] is lora_student
     assert set(ACCELERATORS_BUILT_IN) <= set(ACCELERATORS.names())
     assert (ACCELERATORS["deepcache"], ACCELERATORS["classifier"]) == (DeepCache, ClassifierGuidance)
     assert METRICS.names()[:8] == METRICS_BUILT_IN and METRICS["fid"] is FIDMetric  # registration = column order
-    assert STUDENTS.meta("moe_timestep") == {"choices": {"split": ("equal_step", "equal_snr")}, "routed": True}
+    assert STUDENTS.meta("moe_timestep") == {"choices": {"split": ("equal_step", "equal_snr")}, "routed": True,
+                                             "check_config": _check_moe}
 
 
 def test_every_student_builder_lives_in_distill_students():

@@ -35,6 +35,7 @@ import distill.compress.prune_transformer  # noqa: F401  (the pruned SD3 and Flu
 import distill.families.sd3  # noqa: F401  (DistillSD3Pipeline, the SD3 family's export class)
 import distill.inference.schedulers  # noqa: F401
 import distill.models.moe  # noqa: F401
+import distill.models.moe_transformer  # noqa: F401  (the MoE SD3 and Flux transformers)
 import distill.models.precondition  # noqa: F401
 from distill.inference.sampling import sample
 

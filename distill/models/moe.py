@@ -61,7 +61,7 @@ def records_routing(module: nn.Module) -> bool:
 def no_routing_record(module: nn.Module) -> Iterator[None]:
     """Forwards of ``module`` inside keep the MoE routing records of its earlier forward: a stop-gradient target
     pass through the student itself, whose routing no loss trains. A no-op for modules without MoE layers."""
-    routed = [m for m in module.modules() if isinstance(m, (TimestepMoEUNet, TokenMoEUNet, MoEFeedForward))]
+    routed = [m for m in module.modules() if isinstance(m, MoEFeedForward) or hasattr(m, "router_stats")]
     previous = [records_routing(m) for m in routed]
     for m in routed:
         m.records_routing = False
@@ -301,7 +301,43 @@ class MoEFeedForward(nn.Module):
                       "dropped": 1.0 - kept.float().mean().detach()}
 
 
-class TokenMoEUNet(ModelMixin, ConfigMixin):
+class TokenRouted:
+    """What a network with ``MoEFeedForward`` layers reports (``TokenMoEUNet``, the token-routed transformers of
+    ``distill.models.moe_transformer``): its MoE layers, active parameters, auxiliary loss and router statistics.
+    ``last_timesteps`` (N,) are the last own forward's timesteps on a 0..``num_train_timesteps`` scale."""
+
+    last_timesteps: torch.Tensor | None = None
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
+
+    def active_parameters(self) -> int:
+        """Parameters one token meets: everything except the experts it is not routed to."""
+        total = sum(p.numel() for p in self.parameters())
+        for layer in self.moe_layers():
+            per_expert = sum(p.numel() for p in layer.experts[0].parameters())
+            total -= (layer.num_experts - layer.top_k) * per_expert
+        return total
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The weighted load-balancing (+ z) loss of the student's last own forward, summed over the MoE layers
+        (Switch Transformer, Fedus et al. 2022, sec. 2.2: each switch layer's auxiliary loss joins the total)."""
+        terms = [layer.aux for layer in self.moe_layers() if layer.aux is not None]
+        return torch.stack([torch.as_tensor(a) for a in terms]).sum() if terms else None
+
+    def router_stats(self, prefix: str = "router/") -> dict[str, float]:
+        layers = [layer for layer in self.moe_layers() if layer.stats]
+        if not layers or self.last_timesteps is None:
+            return {}
+        load = sum(layer.stats["load"] for layer in layers)
+        stats = _bin_load(load, self.last_timesteps, self.config.get("num_train_timesteps") or 1000, prefix)
+        stats[f"{prefix}load_balance_loss"] = float(torch.stack([m.stats["lb"] for m in layers]).mean())
+        stats[f"{prefix}z_loss"] = float(torch.stack([m.stats["z"] for m in layers]).mean())
+        stats[f"{prefix}dropped_fraction"] = float(torch.stack([m.stats["dropped"] for m in layers]).mean())
+        return stats
+
+
+class TokenMoEUNet(TokenRouted, ModelMixin, ConfigMixin):
     """The dense UNet with every transformer block's feed-forward layer replaced by ``MoEFeedForward``."""
 
     _supports_gradient_checkpointing = True
@@ -324,17 +360,6 @@ class TokenMoEUNet(ModelMixin, ConfigMixin):
         self.register_to_config(**_pipeline_config(unet_config))
         self.last_timesteps: torch.Tensor | None = None
 
-    def moe_layers(self) -> list[MoEFeedForward]:
-        return [m for m in self.modules() if isinstance(m, MoEFeedForward)]
-
-    def active_parameters(self) -> int:
-        """Parameters one token meets: everything except the experts it is not routed to."""
-        total = sum(p.numel() for p in self.parameters())
-        for layer in self.moe_layers():
-            per_expert = sum(p.numel() for p in layer.experts[0].parameters())
-            total -= (layer.num_experts - layer.top_k) * per_expert
-        return total
-
     def forward(self, sample: torch.Tensor, timestep, encoder_hidden_states: torch.Tensor,
                 timestep_cond: torch.Tensor | None = None, return_dict: bool = True, **kwargs):
         if records_routing(self):
@@ -342,23 +367,6 @@ class TokenMoEUNet(ModelMixin, ConfigMixin):
         out = self.unet(sample, timestep, encoder_hidden_states, timestep_cond=timestep_cond, return_dict=False,
                         **kwargs)[0]
         return UNet2DConditionOutput(sample=out) if return_dict else (out,)
-
-    def aux_loss(self) -> torch.Tensor | None:
-        """The weighted load-balancing (+ z) loss of the student's last own forward, summed over the MoE layers
-        (Switch Transformer, Fedus et al. 2022, sec. 2.2: each switch layer's auxiliary loss joins the total)."""
-        terms = [layer.aux for layer in self.moe_layers() if layer.aux is not None]
-        return torch.stack([torch.as_tensor(a) for a in terms]).sum() if terms else None
-
-    def router_stats(self, prefix: str = "router/") -> dict[str, float]:
-        layers = [layer for layer in self.moe_layers() if layer.stats]
-        if not layers or self.last_timesteps is None:
-            return {}
-        load = sum(layer.stats["load"] for layer in layers)
-        stats = _bin_load(load, self.last_timesteps, self.config.num_train_timesteps or 1000, prefix)
-        stats[f"{prefix}load_balance_loss"] = float(torch.stack([m.stats["lb"] for m in layers]).mean())
-        stats[f"{prefix}z_loss"] = float(torch.stack([m.stats["z"] for m in layers]).mean())
-        stats[f"{prefix}dropped_fraction"] = float(torch.stack([m.stats["dropped"] for m in layers]).mean())
-        return stats
 
 
 def moe_aux_and_stats(module: nn.Module, prefix: str = "router/",
