@@ -38,6 +38,9 @@ for thr in 0.1 0.2; do  # TeaCache without rescaling: the raw change of the modu
     accelerate.options.rescale=false
 done
 run teacher28-taylor2 "${t[@]}" accelerate=forecast
+for n in 2 3; do  # TaylorSeer per block: every block's attention and MLP forecast, order 1 (the preset: N=3)
+  run "teacher28-taylorseer$n" "${t[@]}" accelerate=taylorseer accelerate.options.interval=$n
+done
 if [ -n "$STUDENT" ]; then
   s=(pipeline="$STUDENT" "schedulers=[flow_lcm]" "steps=[4]")
   mkdir -p "$OUT/fit_student"
@@ -46,4 +49,5 @@ if [ -n "$STUDENT" ]; then
   run student4-fbcache0.08 "${s[@]}" accelerate=fbcache
   run student4-teacache0.25 "${s[@]}" accelerate=teacache accelerate.options.path="$OUT/fit_student"
   run student4-taylor2 "${s[@]}" accelerate=forecast
+  run student4-taylorseer3 "${s[@]}" accelerate=taylorseer
 fi

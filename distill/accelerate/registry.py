@@ -7,4 +7,4 @@ from distill.utils.registry import Registry
 
 ACCELERATORS = Registry("accelerator", modules=("distill.accelerate.base", "distill.accelerate.blockcache",
                                                 "distill.accelerate.deepcache", "distill.accelerate.forecast",
-                                                "distill.accelerate.guidance"))
+                                                "distill.accelerate.guidance", "distill.accelerate.taylorseer"))
