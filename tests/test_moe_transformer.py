@@ -18,6 +18,7 @@ import torch
 
 import distill.inference.pipelines  # noqa: F401  (registers distill's export classes, as a user loading an export does)
 from distill.compress.prune_transformer import transformer_example_inputs
+from distill.metrics.cost import NFECounter
 from distill.models.moe import MoEFeedForward, expert_boundaries, moe_aux_and_stats
 from distill.models.moe_transformer import (
     TimestepMoEFluxTransformer2DModel,
@@ -83,6 +84,10 @@ def test_one_expert_computes_the_dense_transformer(name, networks):
     assert abs(float(aux) - 0.01 * layers) < 1e-6 and stats["router/load_balance_loss"] == 1.0
     assert stats["router/load/e0"] == stats["router/load_t500-749/e0"] == 1.0  # t = 0.5 on the 1000 t scale
     assert moe_aux_and_stats(timestep) == (None, {"router/load/e0": 1.0, "router/load_t500-749/e0": 1.0})
+    for model in (token, timestep):  # the cost meter reads the first named input, hidden_states
+        with NFECounter(model) as counter:
+            _out(model, inputs)
+        assert (counter.calls, counter.examples) == (1, 2)
 
 
 @pytest.mark.parametrize("name", ["sd3", "flux"])

@@ -142,11 +142,12 @@ class _TokenMoETransformer(TokenRouted):
         route_feed_forwards(self, **moe)
         self.last_timesteps = None
 
-    def forward(self, *args, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        """The stock forward (``hidden_states`` named: ``NFECounter`` reads the first named input)."""
         if records_routing(self):
-            states = kwargs.get("hidden_states", args[0] if args else None)
-            self.last_timesteps = _scaled_timesteps(self, _timestep(args, kwargs), states).detach()
-        return super().forward(*args, **kwargs)
+            self.last_timesteps = _scaled_timesteps(self, _timestep((hidden_states, *args), kwargs),
+                                                    hidden_states).detach()
+        return super().forward(hidden_states, *args, **kwargs)
 
 
 class TokenMoESD3Transformer2DModel(_TokenMoETransformer, SD3Transformer2DModel):
@@ -195,9 +196,9 @@ class _TimestepMoETransformer:
     def _run(self, expert: int, kwargs: dict):
         return (super().forward(**kwargs) if expert == 0 else self.later_experts[expert - 1](**kwargs))[0]
 
-    def forward(self, *args, return_dict: bool = True, **kwargs):
+    def forward(self, hidden_states: torch.Tensor, *args, return_dict: bool = True, **kwargs):
         names = list(inspect.signature(self.stock_class.forward).parameters)[1:]
-        kwargs.update(zip(names, args))
+        kwargs.update(zip(names, (hidden_states, *args)))
         kwargs["return_dict"] = False
         t = _scaled_timesteps(self, kwargs["timestep"], kwargs["hidden_states"])
         route = self.expert_of(t)
