@@ -72,6 +72,9 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         if configs["scheduler"]:  # a flow model samples with flow schedulers only, a VP one with VP schedulers
             check_scheduler_kind(name, configs["scheduler"], key="schedulers" if cfg.schedulers else "scheduler")
     accelerators = _accelerators(cfg)  # built (options checked) before anything is loaded
+    from distill.compress.fusion import check_fusions
+
+    check_fusions("transformer" if configs.get("transformer") else "unet", cfg.channels_last)
     defaults = pipeline_defaults(cfg.pipeline)  # an export's intended call, for what the command line leaves out
     intended = {defaults["num_inference_steps"]} if "num_inference_steps" in defaults else set()
     steps = list(cfg.steps) if cfg.steps else sorted(set(EVALUATE_STEPS) | intended)  # the default sweep has the intended count
@@ -85,17 +88,17 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     pipe = load_pipeline(cfg.pipeline)
     applied = []
     if cfg.fuse_qkv or cfg.channels_last or cfg.compile:
-        from distill.compress.fusion import fuse_unet
+        from distill.compress.fusion import fuse_denoiser
         from distill.families import denoiser_of, set_denoiser
 
         if cfg.compile:
             from distill.methods.base import _check_compile_supported
 
             _check_compile_supported(pipe.device)
-        fused, applied = fuse_unet(denoiser_of(pipe), qkv=cfg.fuse_qkv, channels_last=cfg.channels_last,
-                                   compile=cfg.compile)
+        fused, applied = fuse_denoiser(denoiser_of(pipe), qkv=cfg.fuse_qkv, channels_last=cfg.channels_last,
+                                       compile=cfg.compile)
         set_denoiser(pipe, fused)
-        log.info("UNet speed-ups: %s", ", ".join(applied))
+        log.info("denoiser speed-ups: %s", ", ".join(applied))
     # the command line's, else the export's intended call, else the pipeline class's own (StableDiffusionPipeline: 7.5)
     guidance = cfg.guidance_scale if cfg.guidance_scale is not None else defaults.get("guidance_scale",
                                                                                       call_defaults(pipe)[1])

@@ -1,5 +1,5 @@
-"""Kernel fusion for inference: Conv2d+BatchNorm2d(+ReLU) folding, fused QKV projections, channels-last
-memory and ``torch.compile``.
+"""Kernel fusion for inference: Conv2d+BatchNorm2d(+ReLU) folding, fused QKV projections (UNets, SD3 and Flux
+transformers), channels-last memory (UNets) and ``torch.compile``.
 
 In eval mode a BatchNorm is the affine map y = gamma (x - mu) / sqrt(var + eps) + beta with its running
 statistics, so it folds into the preceding convolution's weight and bias (W' = W gamma / sqrt(var + eps),
@@ -9,6 +9,11 @@ and the Conv+ReLU pairing are ``torch.ao.quantization.fuse_modules``'s (which ca
 BatchNorm normalises with batch statistics and folding would change the network. ``torch.fx``'s
 ``optimization.fuse`` is not used: it needs a symbolically traceable forward, which input checks such as the
 image classifier's resize defeat.
+
+Fused QKV of an SD3 transformer concatenates the projections with diffusers' ``Attention.fuse_projections`` but
+computes with ``FusedJointQKNormAttnProcessor``: diffusers' ``FusedJointAttnProcessor2_0`` (0.42) skips qk_norm (the
+RMSNorm of q and k, which SD3.5 applies: qk_norm="rms_norm") and fails on SD3.5's image-only second attention. Flux's
+own attention processor reads its fused projections and applies the norms, so ``fuse_qkv_projections`` serves it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 from diffusers.models.attention_processor import Attention
 from torch import nn
 from torch.ao.quantization import fuse_modules
@@ -89,6 +96,15 @@ def _qkv_projections(attn: Attention) -> list[nn.Module]:
     return [attn.to_k, attn.to_v] + ([] if attn.is_cross_attention else [attn.to_q])
 
 
+def _factorised_skip(attentions: list[nn.Module], projections) -> str | None:
+    """Why QKV fusion is skipped, where some attention's ``projections(attention)`` are factorised (low-rank)."""
+    factorised = [a for a in attentions if not all(isinstance(p, nn.Linear) for p in projections(a))]
+    if factorised:
+        return (f"qkv: skipped, {len(factorised)} attention layers have factorised (low-rank) projections that "
+                "cannot be concatenated")
+    return None
+
+
 def fuse_unet(unet: nn.Module, qkv: bool = True, channels_last: bool = False,
               compile: bool = False) -> tuple[nn.Module, list[str]]:
     """Inference fusions of a diffusers UNet, in place: fused QKV projections (diffusers'
@@ -100,10 +116,8 @@ def fuse_unet(unet: nn.Module, qkv: bool = True, channels_last: bool = False,
     applied = []
     if qkv:
         attentions = [m for m in unet.modules() if isinstance(m, Attention)]
-        factorised = [a for a in attentions if not all(isinstance(p, nn.Linear) for p in _qkv_projections(a))]
-        if factorised:
-            applied.append(f"qkv: skipped, {len(factorised)} attention layers have factorised (low-rank) "
-                           "projections that cannot be concatenated")
+        if skipped := _factorised_skip(attentions, _qkv_projections):
+            applied.append(skipped)
         elif attentions:
             with torch.no_grad():
                 unet.fuse_qkv_projections()
@@ -117,3 +131,93 @@ def fuse_unet(unet: nn.Module, qkv: bool = True, channels_last: bool = False,
         unet.compile()
         applied.append("torch.compile: inductor, on the first call")
     return unet, applied
+
+
+class FusedJointQKNormAttnProcessor:
+    """SD3's joint attention (``JointAttnProcessor2_0``) with one ``to_qkv`` matmul for the image stream and one
+    ``to_added_qkv`` for the context stream, applying qk_norm; an attention without context (SD3.5's ``attn2``) is
+    image tokens only."""
+
+    def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, *args, **kwargs):
+        batch, tokens = hidden_states.shape[:2]  # (N, T, D)
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # (N, L, H * d) -> (N, H, L, d)
+            return x.view(batch, -1, attn.heads, x.shape[-1] // attn.heads).transpose(1, 2)
+
+        def normed(x: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
+            return x if norm is None else norm(x)
+
+        q, k, v = map(heads, attn.to_qkv(hidden_states).chunk(3, dim=-1))
+        q, k = normed(q, attn.norm_q), normed(k, attn.norm_k)
+        if encoder_hidden_states is not None:
+            cq, ck, cv = map(heads, attn.to_added_qkv(encoder_hidden_states).chunk(3, dim=-1))
+            q = torch.cat([q, normed(cq, attn.norm_added_q)], dim=2)  # image tokens first, then context
+            k = torch.cat([k, normed(ck, attn.norm_added_k)], dim=2)
+            v = torch.cat([v, cv], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2).flatten(2).to(q.dtype)  # (N, L, H * d)
+        image = attn.to_out[1](attn.to_out[0](out[:, :tokens]))
+        if encoder_hidden_states is None:
+            return image
+        context = out[:, tokens:]
+        return image, context if attn.context_pre_only else attn.to_add_out(context)
+
+
+def _joint_projections(attn: nn.Module) -> list[nn.Module]:
+    """The projections a joint attention's fusion concatenates: q, k, v of the image and (where present) the context
+    stream."""
+    names = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+    return [getattr(attn, n) for n in names if getattr(attn, n, None) is not None]
+
+
+def _fuse_sd3_qkv(transformer: SD3Transformer2DModel) -> None:
+    for module in transformer.modules():
+        if isinstance(module, Attention):
+            module.fuse_projections()
+            module.set_processor(FusedJointQKNormAttnProcessor())
+
+
+def fuse_transformer(transformer: nn.Module, qkv: bool = True, compile: bool = False) -> tuple[nn.Module, list[str]]:
+    """Inference fusions of an SD3 or Flux transformer, in place: fused QKV projections (one to_qkv matmul per
+    attention's image stream, one to_added_qkv per context stream; see the module's docstring for SD3) and
+    ``torch.compile`` (inductor, compiled on the first call). Returns (transformer, what was applied or skipped and
+    why). The fused projections are added next to to_q/to_k/to_v, so save the transformer before fusing."""
+    if not isinstance(transformer, (SD3Transformer2DModel, FluxTransformer2DModel)):
+        raise ValueError(f"fuse_transformer fuses SD3 and Flux transformers; got a {type(transformer).__name__}")
+    applied = []
+    if qkv:
+        attentions = [m for m in transformer.modules() if hasattr(m, "fuse_projections") and hasattr(m, "to_q")]
+        if skipped := _factorised_skip(attentions, _joint_projections):
+            applied.append(skipped)
+        elif attentions:
+            with torch.no_grad():
+                if isinstance(transformer, SD3Transformer2DModel):
+                    _fuse_sd3_qkv(transformer)
+                else:
+                    transformer.fuse_qkv_projections()
+            joint = sum(getattr(a, "add_q_proj", None) is not None for a in attentions)
+            applied.append(f"qkv: to_qkv in {len(attentions)} attention layers, to_added_qkv in {joint} of them")
+    if compile:
+        transformer.compile()
+        applied.append("torch.compile: inductor, on the first call")
+    return transformer, applied
+
+
+def check_fusions(denoiser: str, channels_last: bool) -> None:
+    """Refuse a fusion the pipeline's denoiser (its component name, "unet" or "transformer": known from
+    model_index.json before any weights load) cannot take."""
+    if channels_last and denoiser == "transformer":
+        raise ValueError("channels_last=true lays out a UNet's convolution feature maps; the pipeline's denoiser is a "
+                         "transformer, whose tokens are (N, T, D) rows: set channels_last=false (fuse_qkv and compile "
+                         "apply to it)")
+
+
+def fuse_denoiser(denoiser: nn.Module, qkv: bool = True, channels_last: bool = False,
+                  compile: bool = False) -> tuple[nn.Module, list[str]]:
+    """``fuse_unet`` or ``fuse_transformer``, by the denoiser's family; refuses channels_last on a transformer."""
+    transformer = isinstance(denoiser, (SD3Transformer2DModel, FluxTransformer2DModel))
+    check_fusions("transformer" if transformer else "unet", channels_last)
+    if transformer:
+        return fuse_transformer(denoiser, qkv=qkv, compile=compile)
+    return fuse_unet(denoiser, qkv=qkv, channels_last=channels_last, compile=compile)

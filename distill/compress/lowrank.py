@@ -7,8 +7,11 @@ Conv2d(in, r) with the original stride, padding and dilation, then a 1x1 Conv2d(
 relative Frobenius error of the weight is sqrt(sum_{i>r} s_i^2 / sum_i s_i^2), which the report predicts.
 
 Ranks are chosen per layer by ``choose_ranks``: an explicit rank, an energy threshold (the smallest r keeping
-at least ``energy`` of sum s_i^2), or a global parameter budget, filled greedily by retained energy per
-parameter (the sum of the layers' squared relative errors is what it minimises). A layer is factorised only
+at least ``energy`` of sum s_i^2), a global parameter budget, filled greedily by retained energy per
+parameter (the sum of the layers' squared relative errors is what it minimises), or a FLOPs budget: the same
+greedy fill with each layer's parameters weighted by the rows it multiplies per call (tokens of a linear layer,
+output positions of a convolution: ``layer_rows``), a fraction of the whole call's FLOPs (attention and every
+layer left dense counted, by ``distill.utils.flops``). A layer is factorised only
 where that saves parameters: r * (in + out) < in * out for a linear
 layer, r * (in*k*k + out) < out * in*k*k for a convolution.
 
@@ -41,6 +44,7 @@ from distill.compress.prune import PrunedUNet2DConditionModel
 # channels, so no rank saves much, and every error lands on the sample) and the timestep embedding MLP.
 UNET_KEEP_DENSE = ("conv_in", "conv_out", "time_embedding.*")
 LAYER_KINDS = ("linear", "conv")
+BUDGET_TARGETS = ("params", "flops")  # what a budget keeps a fraction of: the factorisable weights, or a call's FLOPs
 
 
 class LowRankLinear(nn.Module):
@@ -180,6 +184,8 @@ class LowRankReport:
     model_params: int  # all parameters of the dense model
     rule: str = ""  # how the ranks were chosen, e.g. "energy=0.9"
     budget_params: int | None = field(default=None)  # the weight parameters a budget allowed
+    flops: int | None = field(default=None)  # FLOPs of one call of the dense model (a FLOPs budget, or measured)
+    flops_after: int | None = field(default=None)  # of the factorised model
 
     @property
     def ranks(self) -> dict[str, int]:
@@ -213,10 +219,14 @@ class LowRankReport:
                      f"({self.params / max(self.dense_params, 1):.3f}); model: {self.model_params} -> "
                      f"{self.model_params_after} ({self.model_params_after / max(self.model_params, 1):.3f}); "
                      f"{len(self.ranks)} of {len(self.layers)} layers factorised")
+        if self.flops and self.flops_after is not None:
+            lines.append(f"FLOPs of one call: {self.flops / 1e9:.4f} -> {self.flops_after / 1e9:.4f} G "
+                         f"({self.flops_after / self.flops:.3f})")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"rule": self.rule, "model_params": self.model_params, "model_params_after": self.model_params_after,
+                "flops": self.flops, "flops_after": self.flops_after,
                 "layers": [{"name": lr.name, "kind": lr.kind, "shape": list(lr.shape), "rank": lr.rank,
                             "dense_params": lr.dense_params, "params": lr.params,
                             "retained_energy": lr.retained_energy, "predicted_error": lr.predicted_error,
@@ -304,20 +314,57 @@ def _layer(name: str, module: nn.Module, kind: str, energies: torch.Tensor, rank
     return LayerRank(name, kind, (out, inner), dense, rank, dense - saved, float(energies[rank:].sum()), note)
 
 
+def layer_rows(model: nn.Module, inputs: Mapping) -> dict[str, int]:
+    """Rows every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` multiplies in one call ``model(**inputs)``: a linear
+    layer's input rows (batch times tokens), a convolution's output positions, summed over its calls (0 where the
+    call skips it). One weight parameter costs 2 FLOPs per row, dense or factorised."""
+    rows, hooks = {}, []
+
+    def recorder(name: str, linear: bool):
+        def record(module, args, output):
+            rows[name] += output.numel() // output.shape[-1 if linear else 1]
+        return record
+
+    for name, module in model.named_modules():
+        if (kind := _kind(module)) is not None:
+            rows[name] = 0
+            hooks.append(module.register_forward_hook(recorder(name, kind == "linear")))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return rows
+
+
+def call_flops(model: nn.Module, inputs: Mapping) -> int:
+    """FLOPs of one call ``model(**inputs)`` (``distill.utils.flops``: matmuls, convolutions and attention)."""
+    from distill.utils.flops import count_flops
+
+    with torch.no_grad():
+        return count_flops(lambda: model(**inputs))
+
+
 def choose_ranks(model: nn.Module, *, rank: int | Mapping[str, int] | None = None,
                  energy: float | Mapping[str, float] | None = None, budget: float | None = None,
+                 target: str = "params", example_inputs: Mapping | None = None,
                  keep_dense: Iterable[str] = (), layer_kinds: Iterable[str] = LAYER_KINDS,
                  only_if_smaller: bool = True) -> LowRankReport:
     """Pick a rank for every ``nn.Linear`` and ``nn.Conv2d`` (groups=1) of ``model``; exactly one rule:
 
     * ``rank``: a fixed rank;
     * ``energy``: the smallest rank keeping that fraction of sum s_i^2;
-    * ``budget``: keep that fraction of the weight parameters of the factorisable layers. Every layer starts at
-      rank 1; then, greedily, the step with the most retained energy (s_i^2 / sum s^2, relative to its own layer)
-      per parameter is taken -- one more rank, or going back to dense where the next rank would save nothing --
-      while it fits. The result is within one rank step (in*k*k + out parameters of one layer) under the budget.
-      This greedily minimises the sum over layers of the squared predicted errors, each layer counting alike, so
-      small layers fill up first and large ones may be left at a low rank.
+    * ``budget`` (``target="params"``): keep that fraction of the weight parameters of the factorisable layers.
+      Every layer starts at rank 1; then, greedily, the step with the most retained energy (s_i^2 / sum s^2,
+      relative to its own layer) per parameter is taken -- one more rank, or going back to dense where the next
+      rank would save nothing -- while it fits. The result is within one rank step (in*k*k + out parameters of one
+      layer) under the budget. This greedily minimises the sum over layers of the squared predicted errors, each
+      layer counting alike, so small layers fill up first and large ones may be left at a low rank.
+    * ``budget`` with ``target="flops"``: keep that fraction of the FLOPs of one call ``model(**example_inputs)``,
+      everything counted (attention, layers left dense): the same greedy fill, each parameter costing the rows its
+      layer multiplies (``layer_rows``), so a layer called on one row per sample (an adaLN modulation) goes dense
+      first. Refused where even rank 1 everywhere costs more.
 
     ``rank`` and ``energy`` take a scalar or a mapping whose keys are a layer kind ("linear", "conv") or fnmatch
     patterns of module names, the first matching key winning; layers no key matches stay dense. Layers matching
@@ -328,21 +375,50 @@ def choose_ranks(model: nn.Module, *, rank: int | Mapping[str, int] | None = Non
     given = [k for k, v in (("rank", rank), ("energy", energy), ("budget", budget)) if v is not None]
     if len(given) != 1:
         raise ValueError(f"give exactly one of rank, energy, budget to choose ranks (got {given or 'none'})")
+    if target not in BUDGET_TARGETS:
+        raise ValueError(f"target={target!r} is not one of {list(BUDGET_TARGETS)} (what a budget keeps a fraction of)")
     layer_kinds = tuple(layer_kinds)
     if unknown := set(layer_kinds) - set(LAYER_KINDS):
         raise ValueError(f"layer_kinds={list(layer_kinds)}: {sorted(unknown)} not among {list(LAYER_KINDS)}")
     candidates, layers = _candidates(model, keep_dense, layer_kinds)
-    if budget is not None:
+    if budget is not None and target == "params":
         budget = _check_fraction("budget", budget)
-        chosen, budget_params = _budget_ranks(candidates, budget)
-        report = LowRankReport([], _numel(model), f"budget={budget}", budget_params)
+        pool, chosen = _budget_pool(candidates)
+        dense = sum(p[1] for p in pool)
+        allowed = int(budget * dense)
+        if pool and (least := sum(p[2] for p in pool)) > allowed:
+            raise ValueError(f"budget={budget} is below rank 1 in every factorisable layer ({least / dense:.4f} of "
+                             f"their weights); raise budget to >= {least / dense:.4f}, or keep layers dense with "
+                             "keep_dense")
+        chosen.update(_budget_ranks(pool, allowed))
+        report = LowRankReport([], _numel(model), f"budget={budget}", allowed)
+    elif budget is not None:
+        budget = _check_fraction("budget", budget)
+        if example_inputs is None:
+            raise ValueError("target='flops' counts the FLOPs of one call: give example_inputs (the forward's keyword "
+                             "arguments)")
+        flops = call_flops(model, example_inputs)
+        pool, chosen = _budget_pool(candidates, layer_rows(model, example_inputs))
+        fixed = flops - 2 * sum(p[1] for p in pool)  # attention, norms and the layers that stay dense
+        allowed = (budget * flops - fixed) / 2  # multiply-adds of the pool's layers
+        if pool and (least := sum(p[2] for p in pool)) > allowed:
+            floor = (fixed + 2 * least) / flops
+            raise ValueError(f"budget={budget} of the FLOPs is below what rank 1 in every factorisable layer costs "
+                             f"({floor:.4f} of a call's FLOPs, attention and the dense layers included); raise "
+                             f"budget to >= {floor:.4f}, or keep layers dense with keep_dense")
+        ranks = _budget_ranks(pool, allowed)
+        chosen.update(ranks)
+        after = fixed + 2 * sum(dense if ranks[name][0] is None else ranks[name][0] * step
+                                for name, dense, step, _ in pool)
+        report = LowRankReport([], _numel(model), f"budget={budget} of the FLOPs", flops=flops, flops_after=after)
     else:
         arg, value = ("rank", rank) if rank is not None else ("energy", energy)
         chosen = _rule_ranks(candidates, arg, value)
         report = LowRankReport([], _numel(model), f"{arg}={value}")
     for name, module, kind in candidates:
         r, energies, note = chosen[name]
-        layers.append(_layer(name, module, kind, energies, r, only_if_smaller or budget is not None, note))
+        layers.append(_layer(name, module, kind, energies, r, only_if_smaller or rank is None and energy is None,
+                             note))
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     report.layers = sorted(layers, key=lambda layer: order[layer.name])
     return report
@@ -370,25 +446,30 @@ def _rule_ranks(candidates: list, arg: str, value) -> dict:
     return chosen
 
 
-def _budget_ranks(candidates: list, budget: float) -> tuple[dict, int]:
-    """Greedy ranks under ``budget`` (fraction of the factorisable weight parameters); see ``choose_ranks``."""
-    chosen, pool = {}, []
+def _budget_pool(candidates: list, rows: Mapping[str, int] | None = None) -> tuple[list, dict]:
+    """([(name, dense cost, cost of one rank, energies)] of the layers a budget fills, {name: (None, None, note)} of
+    those it leaves dense). A cost counts weight parameters, each weighted by its layer's ``rows`` where given."""
+    pool, dense_layers = [], {}
     for name, module, _ in candidates:
         out, inner = _dims(module)
+        weight = 1 if rows is None else rows[name]
         if out + inner >= out * inner:  # not even rank 1 saves parameters
-            chosen[name] = (None, None, "no rank saves parameters")
+            dense_layers[name] = (None, None, "no rank saves parameters")
+        elif weight == 0:
+            dense_layers[name] = (None, None, "not called on the example inputs")
         else:
-            pool.append((name, out * inner, out + inner, _energies(module)))
-    allowed = int(budget * sum(dense for _, dense, _, _ in pool))
-    used = sum(step for _, _, step, _ in pool)
-    if used > allowed and pool:
-        minimum = used / sum(dense for _, dense, _, _ in pool)
-        raise ValueError(f"budget={budget} is below rank 1 in every factorisable layer ({minimum:.4f} of their "
-                         f"weights); raise budget to >= {minimum:.4f}, or keep layers dense with keep_dense")
+            pool.append((name, weight * out * inner, weight * (out + inner), _energies(module)))
+    return pool, dense_layers
+
+
+def _budget_ranks(pool: list, allowed: float) -> dict:
+    """{name: (rank or None, energies, note)}: greedy ranks of the ``pool`` layers whose total cost stays within
+    ``allowed`` (at least rank 1 each); see ``choose_ranks``."""
     ranks = {name: 1 for name, *_ in pool}
+    used = sum(step for _, _, step, _ in pool)
 
     def next_step(i: int) -> tuple[float, int, int] | None:
-        """(-gain per parameter, layer index, cost) of layer i's next step, or None when it is dense."""
+        """(-gain per cost, layer index, cost) of layer i's next step, or None when it is dense."""
         name, dense, step, energies = pool[i]
         r = ranks[name]
         if r is None:
@@ -408,9 +489,8 @@ def _budget_ranks(candidates: list, budget: float) -> tuple[dict, int]:
         ranks[name] = ranks[name] + 1 if ranks[name] * step + cost < dense else None
         if (s := next_step(i)) is not None:
             heapq.heappush(heap, s)
-    for name, _, _, energies in pool:
-        chosen[name] = (ranks[name], energies, "" if ranks[name] else "budget keeps it dense")
-    return chosen, allowed
+    return {name: (ranks[name], energies, "" if ranks[name] else "budget keeps it dense")
+            for name, _, _, energies in pool}
 
 
 # ---------------------------------------------------------------- applying ranks
@@ -455,27 +535,44 @@ class LowRankUNet2DConditionModel(PrunedUNet2DConditionModel):
 
     def __init__(self, *args, lowrank_ranks: Mapping[str, int] | None = None, **kwargs):
         super().__init__(*args, **kwargs)  # registers the UNet's config and resizes its pruned layers
-        self.register_to_config(lowrank_ranks=dict(lowrank_ranks or {}))
-        factorise(self, self.config.lowrank_ranks, init=False)
+        factorise_to_config(self, lowrank_ranks)
 
     @classmethod
     def from_unet(cls, unet: UNet2DConditionModel, ranks: Mapping[str, int]) -> LowRankUNet2DConditionModel:
         """``unet`` (left unchanged) with the named layers replaced by their truncated SVD."""
-        config = {k: v for k, v in unet.config.items() if k != "lowrank_ranks"}
-        model = cls.from_config(config, lowrank_ranks={})
-        model.load_state_dict(unet.state_dict())
-        factorise(model, ranks)
-        model.register_to_config(lowrank_ranks=dict(ranks))
-        if model.dtype != unet.dtype or model.device != unet.device:
-            model.to(device=unet.device, dtype=unet.dtype)
-        return model.train(unet.training)
+        return factorised_export(cls, unet, ranks)
 
 
-# ConfigMixin.from_config passes the config keys that __init__'s signature names: the pruned UNet's (the dense
-# UNet's and layer_shapes), and ranks.
-LowRankUNet2DConditionModel.__init__.__signature__ = inspect.signature(PrunedUNet2DConditionModel.__init__).replace(
-    parameters=[*inspect.signature(PrunedUNet2DConditionModel.__init__).parameters.values(),
-                inspect.Parameter("lowrank_ranks", inspect.Parameter.KEYWORD_ONLY, default=None)])
+def factorise_to_config(model: ModelMixin, lowrank_ranks: Mapping[str, int] | None) -> None:
+    """Record ``lowrank_ranks`` in ``model``'s config and build those layers' factors (weights load after): what a
+    low-rank export's ``__init__`` does once its base class has built the dense (or pruned) network."""
+    model.register_to_config(lowrank_ranks=dict(lowrank_ranks or {}))
+    factorise(model, model.config.lowrank_ranks, init=False)
+
+
+def factorised_export(cls: type[ModelMixin], model: ModelMixin, ranks: Mapping[str, int]) -> ModelMixin:
+    """The low-rank export ``cls`` of ``model`` (left unchanged; its config, weights, dtype, device and mode) with
+    the named layers replaced by their truncated SVD."""
+    config = {k: v for k, v in model.config.items() if k != "lowrank_ranks"}
+    export = cls.from_config(config, lowrank_ranks={})
+    export.load_state_dict(model.state_dict())
+    factorise(export, ranks)
+    export.register_to_config(lowrank_ranks=dict(ranks))
+    if export.dtype != model.dtype or export.device != model.device:
+        export.to(device=model.device, dtype=model.dtype)
+    return export.train(model.training)
+
+
+def add_config_keyword(cls: type, base: type, name: str) -> None:
+    """Give ``cls.__init__`` the signature of ``base.__init__`` plus the keyword ``name`` (default None):
+    ``ConfigMixin.from_config`` passes the config keys that ``__init__``'s signature names."""
+    signature = inspect.signature(base.__init__)
+    cls.__init__.__signature__ = signature.replace(parameters=[
+        *signature.parameters.values(), inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)])
+
+
+# the pruned UNet's keys (the dense UNet's and layer_shapes), and the ranks
+add_config_keyword(LowRankUNet2DConditionModel, PrunedUNet2DConditionModel, "lowrank_ranks")
 
 
 def lowrank_unet(unet: UNet2DConditionModel, *, rank: int | Mapping[str, int] | None = None,

@@ -212,9 +212,9 @@ class EvaluateConfig:
     grids: bool = True
     grid_seeds: int = 4
     cost_repeats: int = 3
-    # training-free speed-ups of the loaded UNet (distill.compress.fusion.fuse_unet), each a sampling option
-    fuse_qkv: bool = False  # one projection for q, k, v (diffusers' fuse_qkv_projections)
-    channels_last: bool = False  # channels-last memory format
+    # training-free speed-ups of the loaded denoiser (distill.compress.fusion.fuse_denoiser), each a sampling option
+    fuse_qkv: bool = False  # one projection for q, k, v (diffusers' fuse_qkv_projections; SD3's with qk_norm)
+    channels_last: bool = False  # channels-last memory format (a UNet's; refused on a transformer)
     compile: bool = False  # torch.compile (inductor); the compile time falls in the first samples, not the cost rows
     sanity: bool = False  # instead of a sweep: the metric sensitivity suite on the eval set (distill.metrics.sanity)
     sanity_images: int | None = None  # held-out images it uses (half reference, half degraded); null: all

@@ -30,6 +30,7 @@ from diffusers.utils.torch_utils import randn_tensor
 # model_index.json: diffusers loads a component only from a library that is already imported, so importing
 # this module is all that loading any distill export needs.
 import distill.compress.lowrank  # noqa: F401
+import distill.compress.lowrank_transformer  # noqa: F401  (the low-rank SD3 and Flux transformers)
 import distill.compress.prune  # noqa: F401
 import distill.compress.prune_transformer  # noqa: F401  (the pruned SD3 and Flux transformers)
 import distill.families.sd3  # noqa: F401  (DistillSD3Pipeline, the SD3 family's export class)

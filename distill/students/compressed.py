@@ -1,5 +1,5 @@
 """Compressed students built from the teacher's network, for every method (``student=lowrank``, ``student=pruned``;
-pruning also takes SD3's and Flux's transformers).
+both also take SD3's and Flux's transformers).
 
 Each starts as the teacher's copy (``copy_student``: optionally with the zero-initialised guidance-scale input
 a latent consistency student takes), then is made smaller; the method trains it back to quality. The report of
@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from itertools import islice
 
 import torch
-from diffusers import UNet2DConditionModel
 from torch import nn
 
-from distill.compress.lowrank import UNET_KEEP_DENSE, LowRankUNet2DConditionModel, lowrank_unet
+from distill.compress.lowrank import UNET_KEEP_DENSE, lowrank_unet
+from distill.compress.lowrank_transformer import TRANSFORMER_KEEP_DENSE, lowrank_transformer
 from distill.compress.prune import _check_ratio, prune_unet, unet_example_inputs
 from distill.compress.prune_transformer import (
     TRANSFORMERS,
@@ -30,25 +30,68 @@ from distill.students.copies import copy_student
 log = logging.getLogger(__name__)
 
 
-@STUDENTS.register("lowrank")
-def lowrank_student(teacher_unet: UNet2DConditionModel, rank: int | Mapping[str, int] | None = None,
+def _check_lowrank(cfg) -> None:
+    """One rank rule, a budget's fraction and target, and the options the teacher's denoiser takes (a local
+    teacher's configs, no weights)."""
+    from distill.compress.lowrank import BUDGET_TARGETS, _check_fraction
+
+    student = cfg.student
+    given = [k for k in ("rank", "energy", "budget") if student.get(k) is not None]
+    if len(given) != 1:
+        raise ValueError(f"student=lowrank needs exactly one of student.rank, student.energy, student.budget; got "
+                         f"{given or 'none'} (e.g. student.budget=0.5, or student.budget=null student.energy=0.9)")
+    if student.target not in BUDGET_TARGETS:
+        raise ValueError(f"student.target={student.target!r} is not one of {list(BUDGET_TARGETS)}")
+    if student.budget is not None:
+        _check_fraction("student.budget", student.budget)
+    if student.time_cond_proj_dim is not None and _teacher_denoiser(cfg) in {c.__name__ for c in TRANSFORMERS}:
+        raise ValueError(f"student.time_cond_proj_dim={student.time_cond_proj_dim}: the teacher's "
+                         f"{_teacher_denoiser(cfg)} has no guidance-scale (timestep_cond) input to add; set "
+                         "student.time_cond_proj_dim=null")
+
+
+def _example_inputs(dense: nn.Module, teacher) -> dict:
+    """Inputs of one call of ``dense`` for counting FLOPs: the teacher's context length (a transformer's from its
+    conditioner, a UNet's its tokenizer's), each input's default without a teacher."""
+    if isinstance(dense, TRANSFORMERS):
+        if teacher is None:
+            return transformer_example_inputs(dense)
+        text_len = teacher.family.null_condition(1)["encoder_hidden_states"].shape[1]
+        return transformer_example_inputs(dense, text_len=text_len)
+    return unet_example_inputs(dense) if teacher is None else unet_example_inputs(
+        dense, text_len=teacher.tokenizer.model_max_length)
+
+
+@STUDENTS.register("lowrank", check_config=_check_lowrank)
+def lowrank_student(teacher_unet: nn.Module, rank: int | Mapping[str, int] | None = None,
                     energy: float | Mapping[str, float] | None = None, budget: float | None = None,
-                    keep_dense: Sequence[str] = UNET_KEEP_DENSE, layer_kinds: Sequence[str] = ("linear", "conv"),
-                    time_cond_proj_dim: int | None = None,
-                    gradient_checkpointing: bool = False) -> LowRankUNet2DConditionModel:
-    """The teacher with its Linear and Conv2d weights factorised by truncated SVD (``distill.compress.lowrank``):
-    exactly one of ``rank`` (per layer, or per kind / name pattern), ``energy`` (the fraction of each layer's
-    squared singular values kept) or ``budget`` (the fraction of the factorisable parameters kept)."""
+                    target: str = "params", keep_dense: Sequence[str] | None = None,
+                    layer_kinds: Sequence[str] = ("linear", "conv"), time_cond_proj_dim: int | None = None,
+                    gradient_checkpointing: bool = False, teacher=None) -> nn.Module:
+    """The teacher with its Linear and Conv2d weights factorised by truncated SVD (``distill.compress.lowrank``; an
+    SD3 or Flux transformer's block linears, ``distill.compress.lowrank_transformer``): exactly one of ``rank`` (per
+    layer, or per kind / name pattern), ``energy`` (the fraction of each layer's squared singular values kept) or
+    ``budget``: the fraction of the factorisable parameters kept (``target=params``) or of one call's FLOPs
+    (``target=flops``, attention counted, at the teacher's sample size and text length). ``keep_dense`` (fnmatch
+    patterns) defaults to the family's: ``UNET_KEEP_DENSE``, ``TRANSFORMER_KEEP_DENSE``."""
     given = [k for k, v in (("rank", rank), ("energy", energy), ("budget", budget)) if v is not None]
     if len(given) != 1:
         raise ValueError(f"student=lowrank needs exactly one of student.rank, student.energy, student.budget; got "
                          f"{given or 'none'} (e.g. student.budget=0.5)")
     dense = copy_student(teacher_unet, time_cond_proj_dim)
-    student, report = lowrank_unet(dense, rank=rank, energy=energy, budget=budget, keep_dense=tuple(keep_dense),
-                                   layer_kinds=tuple(layer_kinds))
-    log.info("low-rank student (%s): %d of %d parameters (%.1f%%), %d layers factorised", report.rule,
+    rules = dict(rank=rank, energy=energy, budget=budget, target=target, layer_kinds=tuple(layer_kinds))
+    if isinstance(dense, TRANSFORMERS):
+        student, report = lowrank_transformer(
+            dense, keep_dense=TRANSFORMER_KEEP_DENSE if keep_dense is None else tuple(keep_dense),
+            example_inputs=_example_inputs(dense, teacher), **rules)
+    else:
+        inputs = _example_inputs(dense, teacher) if budget is not None and target == "flops" else None
+        student, report = lowrank_unet(dense, keep_dense=UNET_KEEP_DENSE if keep_dense is None else tuple(keep_dense),
+                                       example_inputs=inputs, **rules)
+    log.info("low-rank student (%s): %d of %d parameters (%.1f%%), %d layers factorised%s", report.rule,
              report.model_params_after, report.model_params, 100 * report.model_params_after / report.model_params,
-             sum(layer.factorised for layer in report.layers))
+             sum(layer.factorised for layer in report.layers),
+             f", {report.flops_after / report.flops:.1%} of the FLOPs" if report.flops else "")
     if gradient_checkpointing:
         student.enable_gradient_checkpointing()
     return student.train().requires_grad_(True)
@@ -88,17 +131,25 @@ def check_pruning_options(transformer: bool, per_block: bool, timesteps, flow_ti
                          "student.timesteps=[...] to choose them)")
 
 
-def _check_pruned(cfg) -> None:
-    """``student.ratio`` and the options that fit the teacher's denoiser (a local teacher's configs, no weights)."""
+def _teacher_denoiser(cfg) -> str | None:
+    """The class name of a local teacher's transformer (its model_index.json and configs, no weights); None for a
+    UNet teacher, or a teacher that is not a local folder."""
     from pathlib import Path
 
     from distill.models.teacher import pipeline_configs
 
+    path = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
+    if path is None or not Path(str(path)).exists():
+        return None
+    return pipeline_configs(str(path)).get("transformer", {}).get("_class_name")
+
+
+def _check_pruned(cfg) -> None:
+    """``student.ratio`` and the options that fit the teacher's denoiser (a local teacher's configs, no weights)."""
     student = cfg.student
     _check_ratio("student.ratio", student.ratio)
-    path = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
-    if path is not None and Path(str(path)).exists():
-        denoiser = pipeline_configs(str(path)).get("transformer", {}).get("_class_name")
+    denoiser = _teacher_denoiser(cfg)
+    if denoiser is not None:
         check_pruning_options(denoiser in {cls.__name__ for cls in TRANSFORMERS}, student.per_block,
                               student.timesteps, student.flow_times)
 
@@ -129,17 +180,13 @@ def pruned_student(teacher_unet: nn.Module, ratio: float = 0.5, target: str = "f
         calib = calibration_batches(calib_data, teacher, calib_batches, seed)
     dense = copy_student(teacher_unet, time_cond_proj_dim)
     if transformer:
-        inputs = None
-        if teacher is not None:  # the context length the teacher's conditioner gives
-            text_len = teacher.family.null_condition(1)["encoder_hidden_states"].shape[1]
-            inputs = transformer_example_inputs(dense, text_len=text_len)
+        inputs = _example_inputs(dense, teacher) if teacher is not None else None
         student, report = prune_transformer(dense, ratio, target=target, importance=importance,
                                             family=teacher.family if teacher is not None else None, calib=calib,
                                             flow_times=flow_times, threshold=threshold, prune_heads=prune_heads,
                                             example_inputs=inputs, seed=seed)
     else:
-        text_len = teacher.tokenizer.model_max_length if teacher is not None else None
-        inputs = unet_example_inputs(dense, text_len=text_len) if text_len else None
+        inputs = _example_inputs(dense, teacher) if teacher is not None else None
         calib = [(x0, cond["encoder_hidden_states"]) for x0, cond in calib] if calib is not None else None
         student, report = prune_unet(dense, ratio, target=target, importance=importance, calib=calib,
                                      noise_scheduler=teacher.scheduler if teacher is not None else None,
