@@ -13,4 +13,5 @@ from distill.utils.registry import Registry
 # the worlds' asset trainers are methods too: the registry adds the modules each world lists (distill.worlds)
 METHODS = Registry("method", modules=(
     "distill.methods.diffusion", "distill.methods.consistency", "distill.methods.consistency_training",
-    "distill.methods.progressive", "distill.methods.feature_distillation", "distill.methods.flow_matching"))
+    "distill.methods.progressive", "distill.methods.feature_distillation", "distill.methods.flow_matching",
+    "distill.methods.dmd2"))

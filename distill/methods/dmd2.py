@@ -1,0 +1,355 @@
+"""Distribution matching distillation (Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image
+Synthesis", DMD2): a few-step generator trained by the reverse-KL gradient between the frozen teacher's guided
+score and a fake score that tracks the generator's own distribution, plus a GAN term on the fake score's features."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from distill.diffusion import cfg, diffusion_loss
+from distill.diffusion.dmd import (
+    dmd_gradient,
+    dmd_loss,
+    gan_discriminator_loss,
+    gan_generator_loss,
+    generator_timesteps,
+)
+from distill.methods import METHODS
+from distill.methods.distillation import TeacherStudentDistillation
+from distill.models.teacher import Teacher
+
+# The LCMScheduler's boundary scalings at the generator's timesteps (t >= T / N - 1 > 0): c_skip = sigma_data^2 /
+# ((t s)^2 + sigma_data^2) with s = 1e4 is below 1e-13 and c_out rounds to 1 in float32, so its x0 is the generator's
+BOUNDARY_FREE_TIMESTEP_SCALING = 1.0e4
+
+
+class DiscriminatorHead(nn.Module):
+    """DMD2's classifier branch (sec. 4.3), small: GroupNorm-SiLU-conv twice on a (N, C, H, W) feature, a spatial
+    mean and a linear map to one logit per example; weights in PyTorch's default initialisation."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        groups = math.gcd(32, channels)
+        self.body = nn.Sequential(nn.GroupNorm(groups, channels), nn.SiLU(), nn.Conv2d(channels, channels, 3, padding=1),
+                                  nn.GroupNorm(groups, channels), nn.SiLU(), nn.Conv2d(channels, channels, 3, padding=1))
+        self.out = nn.Linear(channels, 1)
+
+    def forward(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(feature).mean(dim=(2, 3))).squeeze(1)  # (N,)
+
+
+class FakeScore(nn.Module):
+    """The critic: the fake score network ``score`` (a trainable copy of the teacher's denoiser) and the
+    discriminator ``head`` reading its feature at ``block`` (the family's mid block), trained together by one
+    optimizer as DMD2's guidance model is."""
+
+    def __init__(self, score: nn.Module, block: str, channels: int, feature: Callable[[object], torch.Tensor]):
+        super().__init__()
+        self.score, self.block = score, block
+        self.head = DiscriminatorHead(channels)
+        self._feature, self._captured = feature, None
+        score.get_submodule(block).register_forward_hook(self._capture)
+
+    def _capture(self, module, inputs, output) -> None:
+        self._captured = self._feature(output)
+
+    def last_feature(self) -> torch.Tensor:
+        """The feature block's output of the last forward of ``score``."""
+        return self._captured
+
+
+@METHODS.register("dmd2")
+class DistributionMatchingDistillation(TeacherStudentDistillation):
+    """DMD2 (Yin et al. 2024). The generator G is the student (a copy of the teacher, or LoRA adapters on it); the
+    real score is the frozen teacher guided by classifier-free guidance at ``real_guidance_scale``; the fake score is
+    a trainable copy of the teacher (``self.critic.score``) trained with the teacher's denoising loss (its prediction
+    type, t uniform, unweighted) on the generator's samples, detached.
+
+    Generator loss: for x = G(z), t ~ U{dmd_time_min T, ..., dmd_time_max T} (DMD2's 0.02 and 0.98) and x_t =
+    alpha_t x + sigma_t eps, the DMD gradient (fake x0 - real x0) / mean|x - real x0| (DMD eq. 7-8,
+    ``dmd_gradient``) applied as 0.5 ||x - stopgrad(x - grad)||^2 (``dmd_loss``), plus ``gan_generator_weight``
+    times the non-saturating GAN loss of the discriminator head on the fake score's mid-block feature of a noised x
+    (DMD2 sec. 4.3: t ~ U{0, ..., T - 1}), plus, with ``regression_weight`` > 0, DMD v1's regression loss (its
+    eq. 9, an MSE in latent space instead of LPIPS) between G(z) and the guided teacher's ``regression_steps``-step
+    DDIM solution from the same z (off by default, as in DMD2, sec. 4.1).
+
+    Critic loss: the fake score's denoising loss plus ``gan_critic_weight`` times the discriminator's loss on noised
+    training latents (real) and generator samples (fake). Two time-scale update rule (DMD2 sec. 4.2):
+    ``critic_updates`` critic updates per generator update, each on the step's batch with its own noise and its own
+    generator samples (``DistillMethod.add_role``).
+
+    Multi-step generator (DMD2 sec. 4.4): G maps x_{t_k} to x0 on the fixed timesteps t_0 > ... > t_{N-1}
+    (``generator_timesteps``: 999, 749, 499, 249 for N = 4), N = the sampling scheduler's ``num_inference_steps``.
+    A training step draws one k for the batch; with ``backward_simulation`` x_{t_k} comes from the generator's own
+    earlier steps from pure noise (x0 = G(x_{t_j}, t_j), re-noised with fresh noise to t_{j+1}), as at inference
+    (diffusers' LCMScheduler, which the export samples with); without it, from noised training latents. The
+    generator's first input is pure noise at t_0 = T - 1.
+
+    Defaults: DMD2's Stable Diffusion 1.5 recipe (its train_sd.py settings): real guidance 1.75, 10 critic updates
+    per generator update, GAN weights 1e-3 (generator) and 1e-2 (critic), backward simulation.
+    """
+
+    method_name = "dmd2"
+
+    def __init__(
+        self,
+        teacher: Teacher,
+        student: nn.Module | Callable[[nn.Module], nn.Module],
+        optimizer: Callable,
+        critic_optimizer: Callable,
+        lr_scheduler: Callable | None = None,
+        critic_lr_scheduler: Callable | None = None,
+        real_guidance_scale: float = 1.75,  # the real score's CFG scale (DMD2, SD-1.5)
+        critic_updates: int = 10,  # fake-score updates per generator update (DMD2's dfake_gen_update_ratio, SD-1.5)
+        dmd_time_min: float = 0.02,  # the DMD loss's t range as fractions of T (DMD2's min/max_step_percent)
+        dmd_time_max: float = 0.98,
+        gan_generator_weight: float = 1.0e-3,  # DMD2's gen_cls_loss_weight (SD-1.5); 0: no GAN term
+        gan_critic_weight: float = 1.0e-2,  # DMD2's guidance_cls_loss_weight
+        backward_simulation: bool = True,
+        regression_weight: float = 0.0,  # DMD v1's regression loss; off, as in DMD2
+        regression_steps: int = 25,  # the teacher's DDIM steps for the regression targets
+        cache_prompts: bool = True,
+        sampling: dict | None = None,
+        **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
+    ):
+        check_options(real_guidance_scale, critic_updates, dmd_time_min, dmd_time_max, gan_generator_weight,
+                      gan_critic_weight, regression_weight, regression_steps)
+        fake_score = copy.deepcopy(teacher.denoiser).requires_grad_(True)  # before a LoRA student adapts it in place
+        super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=real_guidance_scale,
+                         guidance_scale_max=real_guidance_scale, cache_prompts=cache_prompts, **speed)
+        self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "critic_optimizer", "lr_scheduler",
+                                          "critic_lr_scheduler"])
+        if self.w_dim is not None or self.student_guidance_embedded:
+            raise ValueError(f"student.time_cond_proj_dim={self.w_dim}: a DMD2 generator takes no guidance input (its "
+                             "guidance is the real score's, method.real_guidance_scale); set student.time_cond_proj_dim=null")
+        self.critic = self._fake_score(fake_score.train())
+        self.add_role("critic", critic_optimizer, critic_lr_scheduler, updates_per_step=critic_updates)
+        self.real_guidance_scale, self.critic_updates = real_guidance_scale, critic_updates
+        self.dmd_time_min, self.dmd_time_max = dmd_time_min, dmd_time_max
+        self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
+        self.backward_simulation = backward_simulation
+        self.regression_weight, self.regression_steps = regression_weight, regression_steps
+        self.sampling = dict(sampling or {"name": "lcm", "num_inference_steps": 1, "guidance_scale": 1.0})
+        T = self.schedule.num_train_timesteps
+        self.register_buffer("generator_timesteps", generator_timesteps(T, self.sampling["num_inference_steps"]),
+                             persistent=False)
+        self._parts: dict[str, torch.Tensor] = {}  # the last student loss's terms, logged by student_loss
+
+    def _fake_score(self, score: nn.Module) -> FakeScore:
+        """The critic on ``score``: its discriminator head sized by a probe forward at the family's mid block."""
+        blocks = self.family.feature_blocks(score, mid_block=True)
+        if "mid_block" not in blocks:
+            raise ValueError(f"{type(score).__name__} has no mid block for DMD2's discriminator head; set "
+                             "method.gan_generator_weight=0 and method.gan_critic_weight=0")
+        name = next(n for n, m in score.named_modules() if m is blocks["mid_block"])
+        critic = FakeScore(score, name, 1, self.family.block_feature)
+        with torch.no_grad():
+            x, t, cond = self.family.example_inputs(score)
+            self.family.denoise(score, x, t, cond)
+        width = critic.last_feature().shape[self.family.feature_width_dim]
+        critic.head = DiscriminatorHead(width)
+        return critic
+
+    def frozen_networks(self) -> list[nn.Module]:  # the fake score runs every step too: compiled as the student is
+        return super().frozen_networks() + [self.critic.score]
+
+    # ------------------------------------------------------------------ the generator
+
+    def generator_x0(self, x_t: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """G(x_t, t): the student's x0 at (x_t, t) in the teacher's parametrisation."""
+        return self.schedule.to_x0_eps(self.family.denoise(self.student, x_t, t, cond), x_t, t)[0]
+
+    def generator_inputs(self, x_real: torch.Tensor, cond: dict, generator: torch.Generator | None = None,
+                         step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_{t_k}, t_k) for a drawn step k (``step``: that one) of the generator's timesteps: pure noise at k = 0;
+        else, with backward simulation, the generator's own k earlier steps from pure noise, each x0 re-noised with
+        fresh noise to the next timestep (no gradient), or noised training latents without it."""
+        n, steps = x_real.shape[0], self.generator_timesteps
+        k = int(torch.randint(len(steps), (1,), generator=generator)) if step is None else step
+        x = torch.randn(x_real.shape, generator=generator).to(x_real)
+        at = lambda j: steps[j].expand(n).to(x_real.device)  # noqa: E731  (the batch's timestep j)
+        if k > 0 and not self.backward_simulation:
+            return self.schedule.add_noise(x_real, x, at(k)), at(k)
+        with torch.no_grad():
+            for j in range(k):
+                x0 = self.generator_x0(x, at(j), cond)
+                x = self.schedule.add_noise(x0, torch.randn(x.shape, generator=generator).to(x), at(j + 1))
+        return x, at(k)
+
+    def generator_sample(self, x_real: torch.Tensor, cond: dict, generator: torch.Generator | None = None,
+                         step: int | None = None) -> torch.Tensor:
+        """G's x0 at its drawn step's input (``generator_inputs``), with the gradient to G's parameters."""
+        x_t, t = self.generator_inputs(x_real, cond, generator, step)
+        return self.generator_x0(x_t, t, cond)
+
+    # ------------------------------------------------------------------ scores
+
+    def _uniform_timesteps(self, n: int, low: float, high: float, device, generator=None) -> torch.Tensor:
+        """(n,) integer timesteps uniform in [floor(low T), floor(high T)] (clipped to T - 1)."""
+        T = self.schedule.num_train_timesteps
+        lo, hi = int(low * T), min(int(high * T), T - 1)
+        return torch.randint(lo, hi + 1, (n,), generator=generator).to(device)
+
+    def real_x0(self, x_t: torch.Tensor, t: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
+        """The real score's x0: the frozen teacher's, guided at ``real_guidance_scale``."""
+        out_c, out_u = self.teacher_cond_uncond(x_t, t, cond, uncond)
+        x0_c = self.schedule.to_x0_eps(out_c, x_t, t)[0]
+        if self.real_guidance_scale == 1.0:
+            return x0_c
+        return cfg(x0_c, self.schedule.to_x0_eps(out_u, x_t, t)[0], self.real_guidance_scale)
+
+    def fake_x0(self, x_t: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        """The fake score's x0 (unguided, as DMD2's fake_guidance_scale = 1), without gradient."""
+        with torch.no_grad():
+            return self.schedule.to_x0_eps(self.family.denoise(self.critic.score, x_t, t, cond), x_t, t)[0].float()
+
+    def discriminator_logits(self, x0: torch.Tensor, cond: dict, generator: torch.Generator | None = None
+                             ) -> torch.Tensor:
+        """(N,) the head's logits on the fake score's mid-block feature of x0 noised at t ~ U{0, ..., T - 1}
+        (DMD2's diffusion GAN, max timestep T)."""
+        t = self._uniform_timesteps(x0.shape[0], 0.0, 1.0, x0.device, generator)
+        noise = torch.randn(x0.shape, generator=generator).to(x0)
+        self.family.denoise(self.critic.score, self.schedule.add_noise(x0, noise, t), t, cond)
+        return self.critic.head(self.critic.last_feature())
+
+    # ------------------------------------------------------------------ losses by role
+
+    def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The generator's loss: the DMD loss, the GAN generator loss and the optional regression loss."""
+        x_real = self.latents(batch, generator)  # (N, C, h, w): the GAN's real samples, noised inputs w/o simulation
+        n, device = x_real.shape[0], x_real.device
+        cond, uncond = self.text_conditions(batch, n, device)
+        x = self.generator_sample(x_real, cond, generator)
+        t = self._uniform_timesteps(n, self.dmd_time_min, self.dmd_time_max, device, generator)
+        x_t = self.schedule.add_noise(x.detach(), torch.randn(x.shape, generator=generator).to(x), t)
+        grad = dmd_gradient(x, self.real_x0(x_t, t, cond, uncond), self.fake_x0(x_t, t, cond))
+        parts = {"dmd_loss": dmd_loss(x, grad)}
+        if self.gan_generator_weight > 0:
+            parts["gan_loss"] = self.gan_generator_weight * gan_generator_loss(
+                self.discriminator_logits(x, cond, generator))
+        if self.regression_weight > 0:
+            parts["regression_loss"] = self.regression_weight * self.regression_loss(x_real, cond, uncond, generator)
+        self._parts = {k: v.detach() for k, v in parts.items()}
+        return sum(parts.values())
+
+    def student_loss(self, batch: dict) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log_dict({f"train/{k}": v for k, v in self._parts.items()}, batch_size=len(batch["caption"]))
+        return loss
+
+    def critic_loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The fake score's denoising loss on detached generator samples x (the teacher's objective: mean (pred -
+        target)^2 of its prediction type at x_t = alpha_t x + sigma_t eps, t ~ U{0, ..., T - 1}) plus
+        ``gan_critic_weight`` times the discriminator's loss on noised training latents and samples; the
+        three inputs in one forward of the fake score."""
+        x_real = self.latents(batch, generator)
+        n, device = x_real.shape[0], x_real.device
+        cond, _ = self.text_conditions(batch, n, device)
+        with torch.no_grad():
+            x = self.generator_sample(x_real, cond, generator)
+        t = self._uniform_timesteps(n, 0.0, 1.0, device, generator)
+        eps = torch.randn(x.shape, generator=generator).to(x)
+        inputs, times, conds = [self.schedule.add_noise(x, eps, t)], [t], [cond]
+        gan = self.gan_critic_weight > 0
+        if gan:  # DMD2's diffusion GAN: real latents and samples noised at t ~ U{0, ..., T - 1}
+            for x0 in (x_real, x):
+                t_d = self._uniform_timesteps(n, 0.0, 1.0, device, generator)
+                inputs.append(self.schedule.add_noise(x0, torch.randn(x0.shape, generator=generator).to(x0), t_d))
+                times.append(t_d)
+                conds.append(cond)
+        pred = self.family.denoise(self.critic.score, torch.cat(inputs), torch.cat(times),
+                                   {k: torch.cat([c[k] for c in conds]) for k in cond})
+        loss = diffusion_loss(pred[:n], self.schedule.prediction_target(x, eps, t))
+        if gan:
+            logits = self.critic.head(self.critic.last_feature()[n:])
+            loss = loss + self.gan_critic_weight * gan_discriminator_loss(logits[:n], logits[n:])
+        return loss
+
+    def regression_loss(self, x_real: torch.Tensor, cond: dict, uncond: dict,
+                        generator: torch.Generator | None = None) -> torch.Tensor:
+        """DMD v1's regression loss (Yin et al. 2024a, eq. 9, MSE for LPIPS): G(z) at its first timestep against the
+        guided teacher's deterministic ``regression_steps``-step DDIM solution from the same z."""
+        from distill.diffusion import ddim_step
+        from distill.diffusion.consistency import ddim_timesteps
+
+        z = torch.randn(x_real.shape, generator=generator).to(x_real)
+        n, T = z.shape[0], self.schedule.num_train_timesteps
+        grid = ddim_timesteps(T, self.regression_steps).flip(0).tolist()  # descending
+        x = z
+        for i, t in enumerate(grid):
+            t_now = torch.full((n,), t, device=z.device)
+            t_next = torch.full((n,), grid[i + 1] if i + 1 < len(grid) else T, device=z.device)  # T: the clean sample
+            out_c, out_u = self.teacher_cond_uncond(x, t_now, cond, uncond)
+            x0_c, eps_c = self.schedule.to_x0_eps(out_c, x, t_now)
+            x0_u, eps_u = self.schedule.to_x0_eps(out_u, x, t_now)
+            g = self.real_guidance_scale
+            x = ddim_step(cfg(x0_c, x0_u, g), cfg(eps_c, eps_u, g), *self.schedule.alpha_sigma(t_next, x.ndim))
+        first = self.generator_timesteps[0].expand(n).to(z.device)
+        return (self.generator_x0(z, first, cond) - x).pow(2).mean()
+
+    # ------------------------------------------------------------------ sampling and export
+
+    @property
+    def num_inference_steps(self) -> int:
+        return self.sampling["num_inference_steps"]
+
+    def sampling_scheduler(self, name: str | None = None):
+        """diffusers' LCMScheduler on the generator's timesteps (``original_inference_steps`` = its step count):
+        x0 from the generator, re-noised with fresh noise to the next timestep, as in training; its boundary
+        scalings made vanish (``BOUNDARY_FREE_TIMESTEP_SCALING``). Another ``name``: that scheduler as configured."""
+        from distill.inference.schedulers import make_scheduler, scheduler_options
+
+        name = name or self.sampling["name"]
+        if name != "lcm":
+            return make_scheduler(name, self.noise_scheduler_config, **scheduler_options(name))
+        return make_scheduler("lcm", self.noise_scheduler_config, original_inference_steps=self.num_inference_steps,
+                              timestep_scaling=BOUNDARY_FREE_TIMESTEP_SCALING)
+
+    def guidance_source(self) -> str:
+        return f"the teacher's classifier-free guidance at scale {self.real_guidance_scale} (the real score)"
+
+    def export_info(self) -> dict:
+        return {**super().export_info(), "generator_timesteps": self.generator_timesteps.tolist(),
+                "real_guidance_scale": self.real_guidance_scale, "critic_updates": self.critic_updates,
+                "backward_simulation": self.backward_simulation}
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The options (``check_options``), an LCM sampling scheduler (the generator's own steps) and a student
+        without a guidance input."""
+        m = cfg.method
+        check_options(m.real_guidance_scale, m.critic_updates, m.dmd_time_min, m.dmd_time_max, m.gan_generator_weight,
+                      m.gan_critic_weight, m.regression_weight, m.regression_steps)
+        name = str(getattr(cfg.scheduler.name, "value", cfg.scheduler.name))
+        if name != "lcm":
+            raise ValueError(f"scheduler.name={name!r}: a DMD2 generator samples on its own timesteps "
+                             "with the LCM scheduler (x0, then re-noise); use scheduler=lcm")
+        w_dim = cfg.get("student", {}).get("time_cond_proj_dim")
+        if w_dim is not None:
+            raise ValueError(f"student.time_cond_proj_dim={w_dim}: a DMD2 generator takes no guidance input (its "
+                             "guidance is the real score's, method.real_guidance_scale); set student.time_cond_proj_dim=null")
+
+
+def check_options(real_guidance_scale: float, critic_updates: int, dmd_time_min: float, dmd_time_max: float,
+                  gan_generator_weight: float, gan_critic_weight: float, regression_weight: float,
+                  regression_steps: int) -> None:
+    """DMD2's options, each refused with the key and the fix."""
+    if real_guidance_scale < 1.0:
+        raise ValueError(f"method.real_guidance_scale={real_guidance_scale} must be >= 1 (1 = the unguided teacher)")
+    if isinstance(critic_updates, bool) or not isinstance(critic_updates, int) or critic_updates < 1:
+        raise ValueError(f"method.critic_updates={critic_updates!r} must be an integer >= 1 (fake-score updates per "
+                         "generator update; DMD2 uses 5-10)")
+    if not 0.0 <= dmd_time_min < dmd_time_max <= 1.0:
+        raise ValueError(f"method.dmd_time_min={dmd_time_min}, method.dmd_time_max={dmd_time_max}: the DMD loss's "
+                         "times are fractions of T with 0 <= min < max <= 1 (DMD2: 0.02, 0.98)")
+    for key, value in (("gan_generator_weight", gan_generator_weight), ("gan_critic_weight", gan_critic_weight),
+                       ("regression_weight", regression_weight)):
+        if value < 0:
+            raise ValueError(f"method.{key}={value} must be >= 0 (0 turns the term off)")
+    if regression_steps < 1:
+        raise ValueError(f"method.regression_steps={regression_steps} must be >= 1")
