@@ -296,3 +296,38 @@ def test_bad_student_options_are_refused_at_validation(overrides, words, compose
     with pytest.raises(ConfigError) as err:
         validate(compose("+exp=compress_flow", "teacher=digits_flow", "student=lowrank", *overrides))
     assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_evaluate_refuses_channels_last_on_a_transformer_before_loading(monkeypatch, tmp_path):
+    """distill.evaluate's sweep (whose ValueError the command turns into exit 2) refuses channels_last on the flow
+    teacher from its model_index.json: the pipeline is never loaded."""
+    from hydra import compose, initialize_config_dir
+
+    import distill.evaluate as evaluate
+    import distill.inference.loading as loading
+    from distill.config.resolvers import register_resolvers
+    from distill.config.schema import register_configs
+
+    register_configs()
+    register_resolvers()
+    monkeypatch.setattr(loading, "load_pipeline", lambda *_: pytest.fail("the pipeline was loaded"))
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="evaluate", overrides=[f"pipeline={asset_path('flow_teacher')}",
+                                                         "schedulers=[flow_euler]", "channels_last=true"])
+    with pytest.raises(ValueError, match="channels_last=true .* transformer.*set channels_last=false"):
+        evaluate.sweep(cfg, tmp_path)
+
+
+@pytest.mark.slow  # ~35 s; the student's parts are tested above
+def test_two_cli_steps_of_compress_flow_with_a_low_rank_student_at_half_the_flops(tmp_path):
+    from tests.conftest import run_train
+
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=compress_flow", "teacher=digits_flow", "student=lowrank", "student.budget=0.5",
+                     "student.target=flops", "callbacks.quality_cost=null", "data.batch_size=4", "trainer.max_steps=2",
+                     "trainer.limit_val_batches=1", "trainer.val_check_interval=2", "sample_grid_seeds=1", "logger=csv",
+                     f"hydra.run.dir={run_dir}", env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "budget=0.5 of the FLOPs" in proc.stderr + proc.stdout and "50.0% of the FLOPs" in proc.stderr + proc.stdout
+    config = json.loads((run_dir / "export" / "transformer" / "config.json").read_text())
+    assert config["_class_name"] == "LowRankSD3Transformer2DModel" and len(config["lowrank_ranks"]) == 30
