@@ -14,6 +14,18 @@ fixed (grad_x = grad_x0 / sqrt(abar_t)), the usual approximation of guidance thr
 CLIP of the CLIP score, the classifier of prompt accuracy and FID features) makes those numbers judge the guide
 by itself.
 
+On a flow-matching model (x_t = (1 - t) x0 + t eps, the network's v = eps - x0; SD3's layout) the same term is
+added in velocity form (``distill.diffusion.flow.classifier_guided_velocity``): the score is
+grad log p_t(x_t) = -(x_t + (1 - t) v) / t, so v = -(x_t + t score) / (1 - t) and the guided velocity is
+
+    v <- v - s t / (1 - t) grad_x log p(y | x_t)
+
+(in eps form eps - t s grad, with sigma_t = t and alpha_t = 1 - t in place of sqrt(1 - abar_t) and sqrt(abar_t)).
+``mode=x0`` and ``clip`` take x0 = x_t - t v and grad_x = grad_x0 / (1 - t) (eps held fixed); at t = 1 (the
+first step of a flow Euler schedule) nothing is added: there x_t = eps carries no class, the exact gradient is 0
+and the factor 1 / (1 - t) is infinite. ``mode=noisy`` is refused on a flow model (its classifier knows a VP
+schedule's noise levels), and so is a transformer that packs latents into tokens (Flux).
+
 It is an alternative to classifier-free guidance (one UNet pass a step instead of two, plus the classifier's
 forward and backward), and combines with it: under CFG the UNet batch holds the unconditional and conditional
 halves (the same x_t), the gradient is taken once (in x0 mode at the x0 of the CFG-combined prediction) and both
@@ -29,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from distill.accelerate.base import Accelerator, like_output, output_tensor
+from distill.accelerate.base import Accelerator, call_input, like_output, output_tensor
+from distill.diffusion import flow
 from distill.accelerate.registry import ACCELERATORS
 
 MODES = ("noisy", "x0", "clip")
@@ -79,7 +92,7 @@ class ClassifierGuidance(Accelerator):
         self.fixed_prompts = None if prompts is None else list(prompts)
         self._text = None
         self.classifier, self.family, self.vae, self.pipe = None, None, None, None
-        self.uncond_first = True
+        self.uncond_first, self.flow = True, False
 
     def describe(self) -> str:
         return f"classifier({self.mode},s={self.scale:g})"
@@ -92,20 +105,22 @@ class ClassifierGuidance(Accelerator):
 
     def use_pipeline(self, pipe) -> None:
         """The pipeline's family (its noise schedule and VAE latents) and CFG batch order (what the guide's
-        gradient needs); a flow-matching family is refused: the guidance here is of a noise prediction on a
-        discrete VP schedule."""
+        gradient needs): a noise prediction on a discrete VP schedule, or a velocity on a flow-matching one (not
+        in ``mode=noisy``, whose classifier knows VP noise levels)."""
         from distill.diffusion import FlowMatchingSchedule
         from distill.families import FAMILIES, family_of
         from distill.inference.pipelines import cfg_uncond_first
 
         cls = family_of(pipe)
         family = cls.from_pipeline(pipe)
-        if isinstance(family.schedule, FlowMatchingSchedule):
+        self.flow = isinstance(family.schedule, FlowMatchingSchedule)
+        if self.flow and self.mode == "noisy":
             name = next(n for n, f in FAMILIES.items() if f is cls)
-            raise ValueError(f"accelerate=classifier guides a noise prediction on a discrete VP schedule; "
-                             f"{type(pipe).__name__} is of the {name!r} family ({cls.__name__}), flow matching (a "
-                             "velocity at t in [0, 1]), which it does not guide; sample it without accelerate=classifier")
-        if family.prediction_type != "epsilon":
+            raise ValueError(f"accelerate.options.mode=noisy guides with a classifier of a VP schedule's noisy "
+                             f"latents; {type(pipe).__name__} is of the {name!r} family ({cls.__name__}), flow "
+                             "matching, whose noise levels it does not know; use mode=x0 or mode=clip (a guide of "
+                             "clean images, through the predicted x0)")
+        if not self.flow and family.prediction_type != "epsilon":
             raise ValueError(f"accelerate=classifier guides a noise prediction; the pipeline's scheduler says "
                              f"prediction_type={family.prediction_type!r}")
         self.family, self.vae, self.pipe = family, family.vae, pipe
@@ -122,6 +137,11 @@ class ClassifierGuidance(Accelerator):
                              "sample through the pipeline, accelerated(pipe, ...) or enable(pipe, ...), or call "
                              "use_pipeline(pipe) first")
         config = denoiser.config
+        latent_channels = getattr(getattr(self.vae, "config", None), "latent_channels", None)
+        if self.flow and latent_channels is not None and config.get("in_channels") != latent_channels:
+            raise ValueError(f"accelerate=classifier guides C x H x W latents; this {type(denoiser).__name__} takes "
+                             f"{config.get('in_channels')} channels for the VAE's {latent_channels} (it packs "
+                             "latents into tokens, as Flux does), which it does not guide")
         if self.mode == "noisy":
             want = (self.classifier.in_channels, self.classifier.sample_size)
             have = (config.get("in_channels"), config.get("sample_size"))
@@ -141,7 +161,7 @@ class ClassifierGuidance(Accelerator):
         """grad_x log p(labels | x_t) (noisy), or its approximation through x0 (``eps`` held fixed): of the
         classifier's log-probability (x0), or of the CLIP score 100 cos(image, prompt) (clip, ``labels`` the
         prompts)."""
-        abar = self._abar(t, x)
+        alpha, sigma = self._alpha_sigma(t, x)
         dtype = torch.promote_types(x.dtype, torch.float32)  # at least float32 (float64 stays, for checks)
         with torch.enable_grad():
             if self.mode == "noisy":
@@ -149,7 +169,7 @@ class ClassifierGuidance(Accelerator):
                 # a non-leaf input: torch's FLOP counter hooks module inputs and cannot see a leaf inside grad()
                 logits = self.classifier(inp.clone(), torch.as_tensor(t, device=x.device).reshape(-1).expand(len(x)))
             else:
-                inp = ((x.to(dtype) - (1 - abar).sqrt() * eps.to(dtype)) / abar.sqrt()).detach().requires_grad_(True)
+                inp = ((x.to(dtype) - sigma * eps.to(dtype)) / alpha).detach().requires_grad_(True)
                 images = inp
                 if self.vae is not None:  # decoded in the VAE's dtype; unclamped, so that every pixel steers
                     images = self.vae.decode(self.family.unscale_latents(inp).to(self.vae.dtype)).sample
@@ -165,7 +185,7 @@ class ClassifierGuidance(Accelerator):
             if self.mode != "clip":
                 logp = torch.log_softmax(logits.to(dtype), dim=1).gather(1, labels.view(-1, 1)).sum()
             grad = torch.autograd.grad(logp, inp)[0]
-        return grad if self.mode == "noisy" else grad / abar.sqrt()
+        return grad if self.mode == "noisy" else grad / alpha
 
     def _text_embeddings(self, prompts: list[str]) -> torch.Tensor:
         """Unit-norm CLIP embeddings of ``prompts`` (cached for the last batch of prompts)."""
@@ -176,6 +196,19 @@ class ClassifierGuidance(Accelerator):
             with torch.no_grad():
                 self._text = key, encode_text(self.classifier[0], self.classifier[1], list(prompts))
         return self._text[1]
+
+    def _alpha_sigma(self, t, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x_t = alpha x0 + sigma eps at the network's timestep t: sqrt(abar), sqrt(1 - abar) on a VP schedule,
+        1 - t, t on a flow one (t = timestep / num_train_timesteps)."""
+        if self.flow:
+            dtype = torch.promote_types(x.dtype, torch.float32)
+            time = torch.tensor(self._flow_time(t), dtype=dtype, device=x.device)
+            return 1 - time, time
+        abar = self._abar(t, x)
+        return abar.sqrt(), (1 - abar).sqrt()
+
+    def _flow_time(self, t) -> float:
+        return float(torch.as_tensor(t).reshape(-1)[0]) / self.family.schedule.num_train_timesteps
 
     def _abar(self, t, x: torch.Tensor) -> torch.Tensor:
         """abar at timestep t, linearly interpolated between integer timesteps (schedulers with fractional ones)."""
@@ -202,8 +235,10 @@ class ClassifierGuidance(Accelerator):
         prompts = self.fixed_prompts if self.fixed_prompts is not None else context.prompts
         if self.scale == 0 or (prompts if self.mode == "clip" else labels) is None:
             return out
-        x = args[0] if args else kwargs["sample"]
+        x = call_input(args, kwargs)
         t = args[1] if len(args) > 1 else kwargs["timestep"]
+        if self.flow and self._flow_time(t) >= 1.0:  # x_t = eps: no class to steer towards (see the docstring)
+            return out
         guidance_scale = context.guidance_scale
         halves = 2 if self._cfg(guidance_scale) else 1
         if self.mode == "clip":  # every prompt steers (an empty one towards the empty caption)
@@ -217,7 +252,9 @@ class ClassifierGuidance(Accelerator):
         guided = labels >= 0
         if not guided.any():
             return out
-        eps = output_tensor(out)
+        pred = output_tensor(out)
+        alpha, sigma = self._alpha_sigma(t, x)
+        eps = flow.eps_from_velocity(pred.to(alpha.dtype), x.to(alpha.dtype), sigma) if self.flow else pred
         n = len(labels)
         x_one, eps_one = x[:n], eps[:n]  # under CFG both halves see the same x_t
         if halves == 2 and self.mode != "noisy":
@@ -227,6 +264,8 @@ class ClassifierGuidance(Accelerator):
             eps_one = uncond + w * (cond - uncond)
         targets = [prompts[i] for i in labels.tolist()] if self.mode == "clip" else labels.clamp_min(0)
         grad = self.gradient(x_one, t, targets, eps_one)
-        shift = (1 - self._abar(t, x)).sqrt() * self.scale * grad * guided.view(-1, 1, 1, 1)
+        shift = sigma * self.scale * grad * guided.view(-1, 1, 1, 1)  # in eps form
         shift = shift.repeat(halves, 1, 1, 1)  # the same term on both halves: CFG keeps it once
-        return like_output(out, (eps.float() - shift).to(eps.dtype))
+        if self.flow:  # v = (eps - x_t) / (1 - t): flow.classifier_guided_velocity
+            return like_output(out, (pred.float() - shift / alpha).to(pred.dtype))
+        return like_output(out, (pred.float() - shift).to(pred.dtype))

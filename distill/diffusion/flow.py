@@ -77,6 +77,34 @@ def velocity_from_eps(eps: torch.Tensor, x_t: torch.Tensor, t: float | torch.Ten
     return (eps - x_t) / (1.0 - per_example(t, x_t))
 
 
+def score_from_velocity(v: torch.Tensor, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+    """grad log p_t(x_t) = -(x_t + (1 - t) v) / t for x_t = (1 - t) x0 + t eps and v = E[eps - x0 | x_t].
+
+    Tweedie for x_t given x0 ~ N((1 - t) x0, t^2 I): grad log p_t(x_t) = -E[eps | x_t] / t, and
+    E[eps | x_t] = x_t + (1 - t) v (``eps_from_velocity``: x_t = x0 + t v, eps = x0 + v). Equivalently
+    -(x_t - (1 - t) x0_hat) / t^2 with x0_hat = x_t - t v. Undefined at t = 0."""
+    return -eps_from_velocity(v, x_t, t) / per_example(t, x_t)
+
+
+def velocity_from_score(score: torch.Tensor, x_t: torch.Tensor, t: float | torch.Tensor) -> torch.Tensor:
+    """v = -(x_t + t score) / (1 - t), the inverse of ``score_from_velocity``; undefined at t = 1."""
+    t = per_example(t, x_t)
+    return -(x_t + t * score) / (1.0 - t)
+
+
+def classifier_guided_velocity(v: torch.Tensor, grad_log_p: torch.Tensor, t: float | torch.Tensor,
+                               scale: float = 1.0) -> torch.Tensor:
+    """Classifier guidance (Dhariwal & Nichol 2021) in velocity form: the velocity of the score
+    grad log p_t(x_t) + s grad log p_t(y | x_t), v - s t / (1 - t) grad log p_t(y | x_t).
+
+    ``velocity_from_score`` is affine in the score with slope -t / (1 - t), so the classifier's term enters
+    scaled by it; in eps form the same term is eps - t s grad (sigma_t = t), and v = (eps - x_t) / (1 - t). At
+    s = 1 with the exact classifier it is the exact velocity of p(x0 | y) (tests/test_flow_guidance.py). Undefined
+    at t = 1, where the exact p_t(y | x_t) = p(y) has no gradient."""
+    t = per_example(t, v)
+    return v - scale * t / (1.0 - t) * grad_log_p
+
+
 def check_flow_prediction_type(prediction_type: str) -> None:
     if prediction_type not in FLOW_PREDICTION_TYPES:
         hint = (" (v = alpha eps - sigma x0 assumes alpha^2 + sigma^2 = 1, a VP schedule; a flow schedule's "
