@@ -273,6 +273,16 @@ def transformer_example_inputs(transformer: nn.Module, batch_size: int = 1, text
             if v is not None else None for k, v in inputs.items()}
 
 
+def calibration_times(flow_times: Iterable[float] | None) -> list[float]:
+    """The flow times of a calibration, ascending (default the midpoints of ``FLOW_TIMES`` equal bins of [0, 1]),
+    refused unless a non-empty list in [0, 1]."""
+    times = sorted(float(t) for t in (flow_times if flow_times is not None else
+                                      [(k + 0.5) / FLOW_TIMES for k in range(FLOW_TIMES)]))
+    if not times or not 0 <= times[0] <= times[-1] <= 1:
+        raise ValueError(f"student.flow_times={times} must be a non-empty list of flow times in [0, 1]")
+    return times
+
+
 def accumulate_flow_taylor_gradients(model: nn.Module, family, calib, flow_times: Iterable[float] | None = None,
                                      threshold: float = 0.0, seed: int = 0) -> tuple[list[float], list[float]]:
     """Leave sum_t dL_t/dw in every parameter's ``.grad`` (Diff-Pruning over flow times): L_t the mean over the
@@ -280,10 +290,7 @@ def accumulate_flow_taylor_gradients(model: nn.Module, family, calib, flow_times
     between ``family.denoise`` at x_t = (1 - t) x0 + t eps (eps seeded per batch) and the velocity eps - x0. Times
     ascend; the sum stops after the first whose loss is below ``threshold`` times the largest so far. Returns the
     times used and their losses."""
-    times = sorted(float(t) for t in (flow_times if flow_times is not None else
-                                      [(k + 0.5) / FLOW_TIMES for k in range(FLOW_TIMES)]))
-    if not times or not 0 <= times[0] <= times[-1] <= 1:
-        raise ValueError(f"student.flow_times={times} must be a non-empty list of flow times in [0, 1]")
+    times = calibration_times(flow_times)
     batches = _batches(calib)
     device = next(model.parameters()).device
     noises = [torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed + i)) for i, (x0, _) in

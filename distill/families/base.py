@@ -402,12 +402,19 @@ def evenly_spaced_blocks(num_teacher: int, num_student: int) -> list[int]:
     return [(j + 1) * num_teacher // num_student - 1 for j in range(num_student)]
 
 
+# the attribute of a transformer made of some of its teacher's blocks (distill.compress.depth_prune.keep_blocks): block
+# list -> the teacher indices of its blocks, which feature distillation matches them to
+KEPT_BLOCKS = "distill_kept_blocks"
+
+
 def evenly_spaced_block_pairs(teacher: nn.Module, student: nn.Module,
                               block_lists: dict[str, str]) -> dict[str, str]:
     """Student block -> teacher block of a transformer's ``block_lists`` (block list -> the config key of its length,
     in forward order): in each list student block j of L_s -> teacher block (j + 1) L_t // L_s - 1
-    (``evenly_spaced_blocks``; the same index at equal depth); a list the student lacks (L_s = 0) has no pairs. A
-    student deeper than the teacher in any list is refused, naming the list and the fix."""
+    (``evenly_spaced_blocks``; the same index at equal depth), or, for a student whose blocks were chosen from the
+    teacher's (``KEPT_BLOCKS``: a depth-pruned one), block j -> its original index; a list the student lacks (L_s = 0)
+    has no pairs. A student deeper than the teacher in any list is refused, naming the list and the fix."""
+    kept = getattr(student, KEPT_BLOCKS, None) or {}
     pairs = {}
     for blocks, key in block_lists.items():
         num_teacher, num_student = len(getattr(teacher, blocks)), len(getattr(student, blocks))
@@ -416,9 +423,10 @@ def evenly_spaced_block_pairs(teacher: nn.Module, student: nn.Module,
                              "feature distillation matches each student block to a teacher block; use a student of "
                              f"at most {num_teacher} (student=shallow student.{key}=...) or set "
                              "method.feature_weight=0")
-        if num_student:
-            pairs.update({f"{blocks}.{j}": f"{blocks}.{i}"
-                          for j, i in enumerate(evenly_spaced_blocks(num_teacher, num_student))})
+        indices = kept.get(blocks)
+        if indices is None or len(indices) != num_student or max(indices, default=-1) >= num_teacher:
+            indices = evenly_spaced_blocks(num_teacher, num_student) if num_student else []
+        pairs.update({f"{blocks}.{j}": f"{blocks}.{i}" for j, i in enumerate(indices)})
     return pairs
 
 

@@ -3,6 +3,7 @@ where it is defined (``@STUDENTS.register("lora")``), in one of this package's m
 
 - ``copies``: the teacher's network copied, freshly initialised, or under LoRA adapters;
 - ``compressed``: the teacher's network pruned or factorised (``distill.compress``), then trained back;
+- ``depth``: the teacher's transformer with its least important blocks removed, then trained back;
 - ``pretrained``: a network trained before, of any class distill exports;
 - ``moe``: mixtures of experts made from the teacher (``distill.models.moe``);
 - ``sized``: UNets built from a size table, trained from scratch (plain diffusion training);
@@ -30,8 +31,8 @@ from torch import nn
 from distill.utils.registry import Registry
 
 STUDENTS = Registry("student", modules=(
-    "distill.students.copies", "distill.students.compressed", "distill.students.pretrained", "distill.students.moe",
-    "distill.students.sized", "distill.students.assets"))
+    "distill.students.copies", "distill.students.compressed", "distill.students.depth", "distill.students.pretrained",
+    "distill.students.moe", "distill.students.sized", "distill.students.assets"))
 
 
 def make_student(student: nn.Module | Callable[..., nn.Module], teacher) -> nn.Module:

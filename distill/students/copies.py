@@ -63,47 +63,28 @@ def shallow_student(teacher_unet: nn.Module, num_layers: int | None = None, num_
     block j is teacher block (j + 1) L // n - 1 (``evenly_spaced_blocks``, the last kept as the last: SD3's
     context_pre_only block), the block whose feature feature distillation matches it to
     (``ModelFamily.feature_block_pairs``), so that the student starts from the features it learns to reproduce."""
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-
+    from distill.compress.depth_prune import block_lists, keep_blocks
     from distill.families.base import evenly_spaced_blocks
-    from distill.families.flux import FLUX_BLOCK_LISTS
-    from distill.families.sd3 import SD3_BLOCK_LISTS
 
-    # the block lists it thins, in forward order, each with the config key of its length (the families' own)
-    shallow_blocks = {SD3Transformer2DModel: SD3_BLOCK_LISTS, FluxTransformer2DModel: FLUX_BLOCK_LISTS}
-    found = [cls for cls in shallow_blocks if isinstance(teacher_unet, cls)]
-    if not found:
+    try:
+        lists = block_lists(teacher_unet)  # the block lists it thins, in forward order, with their config keys
+    except ValueError:
         raise ValueError(f"student=shallow removes blocks of an SD3 or Flux transformer; the teacher's denoiser is a "
-                         f"{type(teacher_unet).__name__}: use student=pruned or lowrank")
-    name, lists = found[0].__name__, shallow_blocks[found[0]]
+                         f"{type(teacher_unet).__name__}: use student=pruned or lowrank") from None
     asked = {"num_layers": num_layers, "num_single_layers": num_single_layers}
     for key, value in asked.items():
         if value is not None and key not in lists.values():
-            raise ValueError(f"student.{key}={value}: a {name} has no such blocks (its block lists: "
-                             f"{list(lists)}); set student.{key}=null")
-    config, renamed = dict(teacher_unet.config), {}
+            raise ValueError(f"student.{key}={value}: a {type(teacher_unet).__name__} has no such blocks (its block "
+                             f"lists: {list(lists)}); set student.{key}=null")
+    kept = {}
     for blocks, key in lists.items():
         total = len(getattr(teacher_unet, blocks))
         n = (total + 1) // 2 if asked[key] is None else asked[key]
         try:
-            kept = evenly_spaced_blocks(total, n)
+            kept[blocks] = evenly_spaced_blocks(total, n)
         except ValueError as err:
             raise ValueError(f"student.{key}={n}: {err}") from None  # the key first (train shows the root)
-        config[key] = n
-        if blocks == "transformer_blocks" and "dual_attention_layers" in config:  # SD3.5's, by block index
-            dual = set(config["dual_attention_layers"] or ())
-            config["dual_attention_layers"] = tuple(j for j, i in enumerate(kept) if i in dual)
-        renamed.update({f"{blocks}.{i}.": f"{blocks}.{j}." for j, i in enumerate(kept)})
-    student = found[0].from_config(config)
-    state = {}
-    for key, value in teacher_unet.state_dict().items():
-        if key.split(".")[0] not in lists:
-            state[key] = value
-            continue
-        prefix = ".".join(key.split(".")[:2]) + "."
-        if prefix in renamed:
-            state[renamed[prefix] + key[len(prefix):]] = value
-    student.load_state_dict(state, strict=True)
+    student = keep_blocks(teacher_unet, kept)
     if gradient_checkpointing:
         student.enable_gradient_checkpointing()
     return student.train().requires_grad_(True)
