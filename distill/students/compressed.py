@@ -132,8 +132,8 @@ def check_pruning_options(transformer: bool, per_block: bool, timesteps, flow_ti
 
 
 def _teacher_denoiser(cfg) -> str | None:
-    """The class name of a local teacher's transformer (its model_index.json and configs, no weights); None for a
-    UNet teacher, or a teacher that is not a local folder."""
+    """The class name of a local teacher's denoiser, its transformer or else its UNet (model_index.json and configs, no
+    weights); None for a teacher that is not a local folder."""
     from pathlib import Path
 
     from distill.models.teacher import pipeline_configs
@@ -141,7 +141,8 @@ def _teacher_denoiser(cfg) -> str | None:
     path = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
     if path is None or not Path(str(path)).exists():
         return None
-    return pipeline_configs(str(path)).get("transformer", {}).get("_class_name")
+    configs = pipeline_configs(str(path))
+    return (configs.get("transformer") or configs.get("unet") or {}).get("_class_name")
 
 
 def _check_pruned(cfg) -> None:
