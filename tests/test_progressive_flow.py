@@ -107,23 +107,26 @@ def test_the_truncated_snr_weight_of_a_velocity_loss_is_the_x0_loss():
             torch.testing.assert_close(weighted, v_err)
 
 
-def test_what_a_flow_student_cannot_do_is_refused_before_compute(sd3_dir, tmp_path):
-    """+exp=progressive (scheduler=ddim) on the SD3 folder, a w-conditioned stage and min-SNR weighting: exit 2 at
-    validation, naming the setting and the fix, before a run directory exists (the export used to fail only after
-    a round of training)."""
+def test_what_a_flow_student_cannot_do_is_refused_before_compute(sd3_dir, compose, tmp_path):
+    """+exp=progressive (scheduler=ddim) on the SD3 folder, a w-conditioned stage and min-SNR weighting: refused at
+    validation, naming the setting and the fix; on the command line exit 2 before a run directory exists (the export
+    used to fail only after a round of training)."""
+    from distill.config.validate import ConfigError, validate
+
+    teacher = f"teacher.pretrained_model_name_or_path={sd3_dir}"
     for override, message in (("scheduler=ddim", "scheduler.name='ddim' on the flow-matching teacher .*use "
                                                  "scheduler=flow_euler"),
                               ("method.guided_stage_steps=10", "method.guided_stage_steps=10 on the flow-matching "
                                                                "teacher .*set method.guided_stage_steps=0"),
                               ("method.loss_weighting=min_snr", "the SNR is 0 at t = 1, so the student's first step")):
-        run_dir = tmp_path / override.replace("=", "_")
-        proc = run_train("+exp=progressive_flow", f"teacher.pretrained_model_name_or_path={sd3_dir}", override,
-                         f"hydra.run.dir={run_dir}", "logger=csv", timeout=300)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        import re
-
-        assert re.search(message, proc.stderr), proc.stderr[-2000:]
-        assert not run_dir.exists()
+        with pytest.raises(ConfigError, match=message):
+            validate(compose("+exp=progressive_flow", teacher, override))
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=progressive_flow", teacher, "scheduler=ddim", f"hydra.run.dir={run_dir}", "logger=csv",
+                     timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "use scheduler=flow_euler" in proc.stderr, proc.stderr[-2000:]
+    assert not run_dir.exists()
 
 
 def test_a_vp_student_prediction_on_a_flow_teacher_and_a_resolution_shifted_teacher_are_refused(sd3_dir, tmp_path):
