@@ -37,7 +37,7 @@ def build(kind: str, value: float, teacher):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="+", help="NAME=pruned:RATIO or NAME=lowrank:BUDGET")
-    parser.add_argument("--teacher", default=str(ROOT / "distill" / "assets" / "digits" / "teacher"))
+    parser.add_argument("--teacher", default=None, help="a pipeline folder (default: the shipped asset 'teacher')")
     parser.add_argument("--out", default="outputs/compress_untrained")
     args = parser.parse_args(argv)
     specs = []
@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from distill.families import load_teacher
 
+    if args.teacher is None:
+        from distill.worlds import asset_path
+
+        args.teacher = str(asset_path("teacher"))
     torch.manual_seed(0)
     for name, kind, value in specs:
         teacher = load_teacher(args.teacher)

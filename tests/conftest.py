@@ -39,13 +39,25 @@ def hub_from_folder(monkeypatch, folder: Path) -> list[str]:
     return fetched
 
 
+def run_cli(cmd: list[str], capture_output: bool = False, text: bool = False, cwd=None, env: dict | None = None,
+            timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, ...)`` for a ``[sys.executable, "-m", MODULE, ...]`` command with captured text output,
+    through tests/forkserver.py (same result; other commands and options run as subprocess.run runs them)."""
+    from tests.forkserver import run_module
+
+    if capture_output and text and cmd[:2] == [sys.executable, "-m"]:
+        return run_module(cmd[2], list(cmd[3:]), cwd or os.getcwd(), dict(env if env is not None else os.environ),
+                          timeout)
+    return subprocess.run(cmd, capture_output=capture_output, text=text, cwd=cwd, env=env, timeout=timeout)
+
+
 def run_train(*overrides: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
-    """Run ``python -m distill.train`` as users do; returns the CompletedProcess."""
+    """Run ``python -m distill.train`` as users do; returns the CompletedProcess (a fork of an interpreter that has
+    done the imports where the environment allows: tests/forkserver.py)."""
+    from tests.forkserver import run_module
+
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "distill.train", *overrides],
-        cwd=cwd or ROOT, env=full_env, capture_output=True, text=True, timeout=timeout,
-    )
+    return run_module("distill.train", list(overrides), cwd or ROOT, full_env, timeout)
 
 
 @pytest.fixture

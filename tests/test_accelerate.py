@@ -31,6 +31,7 @@ from distill.accelerate.forecast import (
 from distill.metrics.cost import NFECounter
 from distill.utils.flops import count_flops
 from distill.worlds.digits import asset_path
+from tests.conftest import run_cli
 
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
 
@@ -303,10 +304,9 @@ def test_bad_forecast_settings_and_a_branch_beyond_the_unet_raise(pipe):
 
 
 def _evaluate(tmp_path, *overrides):
-    import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "distill.evaluate", *overrides, f"hydra.run.dir={tmp_path / 'eval'}"],
+    return run_cli([sys.executable, "-m", "distill.evaluate", *overrides, f"hydra.run.dir={tmp_path / 'eval'}"],
                           capture_output=True, text=True)
 
 
@@ -347,11 +347,10 @@ def test_bad_accelerator_settings_fail_before_sampling(tmp_path, overrides, code
 def test_fit_forecaster_cli_then_sampling_with_the_fitted_coefficients(tmp_path):
     import csv
     import json
-    import subprocess
     import sys
 
     out = tmp_path / "fit"
-    proc = subprocess.run([sys.executable, "-m", "distill.fit_forecaster", "steps=[6]", "num_per_class=1",
+    proc = run_cli([sys.executable, "-m", "distill.fit_forecaster", "steps=[6]", "num_per_class=1",
                            f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((out / "forecaster.json").read_text())

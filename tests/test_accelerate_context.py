@@ -6,7 +6,6 @@ selectable by kind from the command line as a plugin."""
 
 import csv
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from distill.accelerate import (
 from distill.metrics.cost import NFECounter, measure_cost
 from distill.utils.flops import count_flops
 from distill.worlds.digits import asset_path
+from tests.conftest import run_cli
 from tests.examples.toy_accelerator import ReuseOutput
 
 PROMPTS = ["a handwritten digit 3", "a handwritten digit 7"]
@@ -181,7 +181,7 @@ def test_the_toy_is_selectable_from_the_command_line(tmp_path):
     """``DISTILL_PLUGINS=tests.examples.toy_accelerator python -m distill.evaluate accelerate.kind=reuse``: the
     row is the toy's, and its NFE (CFG: 2 evaluations a computed call) is half of 4 steps' 8."""
     env = {**os.environ, "DISTILL_PLUGINS": "tests.examples.toy_accelerator", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", "accelerate.kind=reuse",
+    proc = run_cli([sys.executable, "-m", "distill.evaluate", "accelerate.kind=reuse",
                            "+accelerate.options.interval=2", "steps=[4]", "num_per_class=1", "cost_repeats=1",
                            "grids=false", "guidance_scale=3", f"hydra.run.dir={tmp_path}"],
                           capture_output=True, text=True, cwd=ROOT, env=env)

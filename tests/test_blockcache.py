@@ -22,6 +22,7 @@ from distill.accelerate.blockcache import (
     stack_blocks,
 )
 from distill.worlds.digits import asset_path
+from tests.conftest import run_cli
 
 PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
 STEPS = 8
@@ -216,12 +217,11 @@ def test_calibration_fits_the_recorded_changes(pipe, tmp_path):
 
 def test_fit_forecaster_writes_teacache_json_and_the_preset_reads_it(tmp_path):
     import shutil
-    import subprocess
     import sys
 
     folder = tmp_path / "flow_teacher"
     shutil.copytree(asset_path("flow_teacher"), folder)
-    proc = subprocess.run([sys.executable, "-m", "distill.fit_forecaster", "accelerate=teacache", f"pipeline={folder}",
+    proc = run_cli([sys.executable, "-m", "distill.fit_forecaster", "accelerate=teacache", f"pipeline={folder}",
                            "scheduler=flow_euler", "steps=[6]", "num_per_class=1", "batch_size=10", "degree=2",
                            "guidance_scale=3.0", f"hydra.run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, timeout=300)
@@ -252,12 +252,11 @@ def test_bad_input_is_refused_before_sampling(tmp_path):
 
 def test_evaluate_refuses_teacache_without_its_polynomial_with_exit_2(tmp_path):
     import shutil
-    import subprocess
     import sys
 
     folder = tmp_path / "flow_teacher"
     shutil.copytree(asset_path("flow_teacher"), folder)
-    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={folder}", "accelerate=teacache",
+    proc = run_cli([sys.executable, "-m", "distill.evaluate", f"pipeline={folder}", "accelerate=teacache",
                            "schedulers=[flow_euler]", "steps=[4]", "num_per_class=1", f"hydra.run.dir={tmp_path}/e"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and f"{folder / TEACACHE_FILE}, which does not exist" in proc.stderr

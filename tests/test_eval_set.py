@@ -6,7 +6,6 @@ import csv
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from tests.conftest import CONF, run_train
+from tests.conftest import CONF, run_cli, run_train
 from tests.sd_tiny import write_tiny_sd
 
 
@@ -252,10 +251,10 @@ def test_bad_eval_config_fails_before_any_model_is_built(tmp_path):
                      f"hydra.run.dir={run_dir}", "logger=csv", timeout=120)
     assert proc.returncode == 2 and "eval.feature is not set" in proc.stderr, proc.stderr[-2000:]
     assert not run_dir.exists()
-    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={tmp_path}", "eval.reference=/no/such",
+    proc = run_cli([sys.executable, "-m", "distill.evaluate", f"pipeline={tmp_path}", "eval.reference=/no/such",
                            f"hydra.run.dir={tmp_path / 'o'}"], capture_output=True, text=True)
     assert proc.returncode == 2 and "eval.reference='/no/such'" in proc.stderr and "model_index" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={tmp_path}", "eval=files",
+    proc = run_cli([sys.executable, "-m", "distill.evaluate", f"pipeline={tmp_path}", "eval=files",
                            f"hydra.run.dir={tmp_path / 'o'}"], capture_output=True, text=True)
     assert proc.returncode == 2 and "eval.prompts_file=" in proc.stderr and "model_index" not in proc.stderr
 
@@ -306,7 +305,7 @@ def grid_prompts(path: Path) -> list[str]:
 
 def test_evaluate_any_pipeline_on_a_captioned_folder(world, tmp_path):
     out = tmp_path / "eval"
-    proc = subprocess.run(
+    proc = run_cli(
         [sys.executable, "-m", "distill.evaluate", f"pipeline={world['pipe']}", *world_overrides(world), "steps=[1,2]",
          "num_per_class=2", "cost_repeats=1", "model_name=shapes", f"hydra.run.dir={out}"],
         capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)})
@@ -326,7 +325,7 @@ def test_evaluate_any_pipeline_on_a_captioned_folder(world, tmp_path):
     assert_no_digits({"stdout": proc.stdout, "stderr": proc.stderr, "csv": (out / "quality_cost.csv").read_text(),
                       "table": (out / "table.md").read_text(), "protocol": (out / "protocol.json").read_text(),
                       "grids": json.dumps([grid_prompts(g) for g in grids])})
-    proc = subprocess.run([sys.executable, "-m", "distill.sample", f"pipeline={world['pipe']}", f"out={tmp_path / 'g.png'}",
+    proc = run_cli([sys.executable, "-m", "distill.sample", f"pipeline={world['pipe']}", f"out={tmp_path / 'g.png'}",
                            "num_seeds=1", "num_inference_steps=1", *world_overrides(world)[:4]],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -22,6 +22,7 @@ from distill.models.conditioning import ClassConditioner, TextConditioner
 from distill.students.copies import copy_student, lora_student
 from distill.students.moe import timestep_moe_student, token_moe_student
 from distill.students.sized import build_class_unet, build_text_unet
+from tests.conftest import run_cli
 from tests.sd_tiny import write_tiny_sd
 
 CAPTIONS = ["a handwritten digit three", "a handwritten digit seven"]
@@ -268,14 +269,13 @@ def test_quality_cost_rows_of_training_go_into_each_exports_card(tiny_sd, tmp_pa
 
 def test_sample_command_reads_the_intended_call(tiny_sd, tmp_path):
     """distill.sample without steps/guidance takes them from distill.json; a class export's rows are its classes."""
-    import subprocess
     import sys
 
     from PIL import Image
 
     out = diffusion_class(tiny_sd).export(tmp_path / "export")
     grid = tmp_path / "grid.png"
-    proc = subprocess.run([sys.executable, "-m", "distill.sample", f"pipeline={out}", f"out={grid}", "num_seeds=2",
+    proc = run_cli([sys.executable, "-m", "distill.sample", f"pipeline={out}", f"out={grid}", "num_seeds=2",
                            "upscale=1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "20 images, 3 steps, guidance 2.0" in proc.stdout

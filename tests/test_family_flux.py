@@ -39,7 +39,7 @@ from distill.families.flux import (
 from distill.inference.loading import load_pipeline
 from distill.metrics.cost import NFECounter
 from distill.models.teacher import pipeline_configs
-from tests.conftest import ROOT, hub_from_folder, run_train
+from tests.conftest import ROOT, hub_from_folder, run_cli, run_train
 from tests.flux_tiny import (
     CLIP_DIM,
     FLUX_SCALING_FACTOR,
@@ -291,7 +291,7 @@ def test_a_flux_folder_without_t5_is_refused_before_any_weights(flux_dir, tmp_pa
 @pytest.mark.slow
 def test_evaluate_refuses_a_flux_folder_without_t5_with_exit_2(flux_dir, tmp_path):
     folder, out = _without_t5(flux_dir, tmp_path), tmp_path / "eval"
-    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={folder}", "schedulers=[flow_euler]",
+    proc = run_cli([sys.executable, "-m", "distill.evaluate", f"pipeline={folder}", "schedulers=[flow_euler]",
                            "steps=[1]", f"hydra.run.dir={out}"], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}, cwd=ROOT, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -331,7 +331,7 @@ def test_evaluate_runs_on_the_flux_folder(flux_dir, tmp_path):
     """distill.evaluate pipeline=<flux dir> schedulers=[flow_euler] steps=[2]: the table's row, 2 transformer passes
     per image (Flux's guidance is an input, not a CFG pass) at its native 128 px and 512 T5 tokens."""
     out = tmp_path / "eval"
-    proc = subprocess.run(
+    proc = run_cli(
         [sys.executable, "-m", "distill.evaluate", f"pipeline={flux_dir}", "schedulers=[flow_euler]", "steps=[2]",
          "num_per_class=1", "cost_repeats=1", "model_name=flux", f"hydra.run.dir={out}"],
         capture_output=True, text=True, env=_env(tmp_path), cwd=ROOT, timeout=600)
@@ -345,7 +345,7 @@ def test_evaluate_runs_on_the_flux_folder(flux_dir, tmp_path):
 @pytest.mark.slow
 def test_sample_writes_a_grid_from_the_flux_folder(flux_dir, tmp_path):
     out = tmp_path / "grid.png"
-    proc = subprocess.run(
+    proc = run_cli(
         [sys.executable, "-m", "distill.sample", f"pipeline={flux_dir}", f"out={out}", "sampler=flow_euler",
          "num_inference_steps=2", "num_seeds=2", f"prompts=[{PROMPTS[0]},{PROMPTS[1]}]"],
         capture_output=True, text=True, env=_env(tmp_path), cwd=tmp_path, timeout=300)

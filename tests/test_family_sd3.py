@@ -28,7 +28,7 @@ from distill.families.sd3 import (
 )
 from distill.inference.schedulers import FLOW_SCHEDULERS, make_scheduler
 from distill.models.teacher import pipeline_configs
-from tests.conftest import ROOT, hub_from_folder, run_train
+from tests.conftest import ROOT, hub_from_folder, run_cli, run_train
 from tests.sd3_tiny import JOINT_DIM, SD3_SHIFT, write_tiny_sd3
 
 PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
@@ -220,7 +220,7 @@ def test_evaluate_runs_on_the_sd3_folder(sd3_dir, tmp_path):
     """distill.evaluate pipeline=<sd3 dir> schedulers=[flow_euler] steps=[2]: the table's row, 2 transformer passes
     per image at guidance 1 (SD3's 256 zero T5 tokens: the stock pipeline's default)."""
     out, env = tmp_path / "eval", _env(tmp_path)
-    proc = subprocess.run(
+    proc = run_cli(
         [sys.executable, "-m", "distill.evaluate", f"pipeline={sd3_dir}", "schedulers=[flow_euler]", "steps=[2]",
          "num_per_class=2", "cost_repeats=1", "model_name=sd3", "guidance_scale=1", f"hydra.run.dir={out}"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
@@ -233,7 +233,7 @@ def test_evaluate_runs_on_the_sd3_folder(sd3_dir, tmp_path):
 def test_evaluate_refuses_a_vp_scheduler_on_the_flow_teacher(sd3_dir, tmp_path):
     """schedulers=[ddim] exits 2 before any weights load, naming the flow schedulers."""
     env = _env(tmp_path)
-    bad = subprocess.run(
+    bad = run_cli(
         [sys.executable, "-m", "distill.evaluate", f"pipeline={sd3_dir}", "schedulers=[ddim]", "steps=[2]",
          f"hydra.run.dir={tmp_path / 'bad'}"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert bad.returncode == 2, bad.stderr[-2000:]
@@ -243,7 +243,7 @@ def test_evaluate_refuses_a_vp_scheduler_on_the_flow_teacher(sd3_dir, tmp_path):
 
 def test_sample_writes_a_grid_from_the_sd3_folder(sd3_dir, tmp_path):
     out = tmp_path / "grid.png"
-    proc = subprocess.run(
+    proc = run_cli(
         [sys.executable, "-m", "distill.sample", f"pipeline={sd3_dir}", f"out={out}", "sampler=flow_euler",
          "num_inference_steps=2", "guidance_scale=1", "num_seeds=2", f"prompts=[{PROMPTS[0]},{PROMPTS[1]}]"],
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, timeout=300)

@@ -18,7 +18,7 @@ from distill.families.sdxl import SDXLConditioner, StableDiffusionXLFamily
 from distill.inference.pipelines import DistillStableDiffusionXLPipeline
 from distill.models.conditioning import concat_conditions, take_conditions
 from distill.models.teacher import pipeline_configs
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, run_cli, run_train
 from tests.sd_tiny import write_tiny_sdxl
 
 PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
@@ -238,7 +238,7 @@ def test_the_stock_sdxl_pipeline_without_distill_gives_the_exports_images(traine
 
 def test_evaluate_runs_on_the_sdxl_stand_in(sdxl, tmp_path):
     """A plain SDXL folder (no distill.json): sampled at StableDiffusionXLPipeline's own guidance 5.0 with CFG."""
-    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={sdxl}", "schedulers=[euler]",
+    proc = run_cli([sys.executable, "-m", "distill.evaluate", f"pipeline={sdxl}", "schedulers=[euler]",
                            "steps=[2]", "num_per_class=1", "cost_repeats=1", "grids=false", "eval.num_prompts=2",
                            f"hydra.run.dir={tmp_path / 'eval'}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HOME": str(tmp_path)})

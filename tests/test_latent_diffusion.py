@@ -7,7 +7,7 @@ from transformers import CLIPTextModel, CLIPTokenizer
 
 from distill.methods.diffusion import DiffusionTraining
 from distill.models.conditioning import TextConditioner
-from tests.conftest import run_train
+from tests.conftest import run_cli, run_train
 from tests.sd_tiny import write_tiny_sd
 
 
@@ -68,13 +68,12 @@ def test_latent_diffusion_command_exports_stable_diffusion_pipeline(tiny_sd, tmp
 
 
 def test_sample_command_writes_grid(tiny_sd, tmp_path):
-    import subprocess
     import sys
 
     from PIL import Image
 
     out = tmp_path / "grid.png"
-    proc = subprocess.run(
+    proc = run_cli(
         [sys.executable, "-m", "distill.sample", f"pipeline={tiny_sd}", f"out={out}", "num_seeds=2",
          "num_inference_steps=2", "sampler=dpmsolver", "prompts=[a handwritten digit one,two]"],
         capture_output=True, text=True, cwd=tmp_path,
@@ -82,5 +81,5 @@ def test_sample_command_writes_grid(tiny_sd, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Image.open(out).size == (4 * 2 * (32 + 2), 4 * 2 * (32 + 2))  # 2 x 2 tiles of 32 px, 1-px frames, x4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grid.png"]  # nothing else written
-    bad = subprocess.run([sys.executable, "-m", "distill.sample", f"pipeline={tmp_path}"], capture_output=True, text=True)
+    bad = run_cli([sys.executable, "-m", "distill.sample", f"pipeline={tmp_path}"], capture_output=True, text=True)
     assert bad.returncode == 1 and "model_index.json" in bad.stderr

@@ -6,7 +6,6 @@ every reported distance rises with every degradation's strength; where a feature
 import csv
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -28,7 +27,7 @@ from distill.metrics.sanity import (
     noise,
     verdicts,
 )
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 from tests.test_eval_set import instantiate_eval
 
 # ---------------------------------------------------------------- the degradations are what they say
@@ -230,7 +229,7 @@ def test_sanity_command_writes_csv_table_verdicts_and_plot(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "run"
     skip = ",".join(f"{name}:[]" for name in DEGRADATIONS if name not in ("noise", "drop_classes"))
-    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", "sanity=true", "sanity_images=60",
+    proc = run_cli([sys.executable, "-m", "distill.evaluate", "sanity=true", "sanity_images=60",
                            "eval.clip=null", f"+sanity_strengths={{noise:[0.1,0.4],drop_classes:[0.5],{skip}}}",
                            f"hydra.run.dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -247,7 +246,7 @@ def test_sanity_command_writes_csv_table_verdicts_and_plot(tmp_path):
     assert "| noise | 0.4 |" in table and "| drop_classes | monotone" in table and table in proc.stdout
     with Image.open(out / "sanity.png") as plot:
         assert plot.size[0] > 200 and plot.size[1] > 200
-    bad = subprocess.run([sys.executable, "-m", "distill.evaluate", "sanity=true", "+sanity_strengths.blur=[2,1]",
+    bad = run_cli([sys.executable, "-m", "distill.evaluate", "sanity=true", "+sanity_strengths.blur=[2,1]",
                           f"hydra.run.dir={tmp_path / 'bad'}"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "sanity_strengths.blur=[2.0, 1.0] must be increasing" in bad.stderr

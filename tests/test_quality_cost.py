@@ -2,13 +2,12 @@
 
 import csv
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import run_train
+from tests.conftest import run_cli, run_train
 from tests.sd_tiny import write_tiny_sd
 
 
@@ -27,7 +26,7 @@ def tiny_teacher_run(tiny_sd) -> list[str]:
 
 def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
     out = tmp_path / "eval"
-    proc = subprocess.run(
+    proc = run_cli(
         [sys.executable, "-m", "distill.evaluate", f"pipeline={tiny_sd}", "schedulers=[ddim,euler]", "steps=[1,2]",
          "num_per_class=2", "cost_repeats=1", "model_name=tiny", "guidance_scale=1", f"hydra.run.dir={out}"],
         capture_output=True, text=True, env={**__import__("os").environ, "HOME": str(tmp_path)},
@@ -65,10 +64,10 @@ def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
 
 
 def test_evaluate_rejects_bad_input(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", f"pipeline={tmp_path}", f"hydra.run.dir={tmp_path / 'o'}"],
+    proc = run_cli([sys.executable, "-m", "distill.evaluate", f"pipeline={tmp_path}", f"hydra.run.dir={tmp_path / 'o'}"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "model_index.json" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "distill.evaluate", "schedulers=[plms]", f"hydra.run.dir={tmp_path / 'o'}"],
+    proc = run_cli([sys.executable, "-m", "distill.evaluate", "schedulers=[plms]", f"hydra.run.dir={tmp_path / 'o'}"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "plms" in proc.stderr
 
@@ -215,7 +214,7 @@ def test_evaluate_fused_unet_gives_the_same_rows(tiny_sd, tmp_path):
     rows = {}
     for name, extra in (("plain", []), ("fused", ["fuse_qkv=true", "channels_last=true"])):
         out = tmp_path / name
-        proc = subprocess.run(
+        proc = run_cli(
             [sys.executable, "-m", "distill.evaluate", f"pipeline={tiny_sd}", "schedulers=[ddim]", "steps=[2]",
              "num_per_class=2", "cost_repeats=1", "grids=false", *extra, f"hydra.run.dir={out}"],
             capture_output=True, text=True, env={**__import__("os").environ, "HOME": str(tmp_path)},

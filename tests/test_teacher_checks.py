@@ -10,7 +10,7 @@ import pytest
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from distill.worlds.digits import asset_path
-from tests.conftest import ROOT, run_train
+from tests.conftest import ROOT, run_cli, run_train
 
 TEACHER = Path(asset_path("teacher"))
 
@@ -43,10 +43,9 @@ SDXL_UNET = {"addition_embed_type": "text_time", "addition_time_embed_dim": 256}
 
 
 def _evaluate(*overrides, tmp_path):
-    import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "distill.evaluate", *overrides, f"hydra.run.dir={tmp_path / 'eval'}"],
+    return run_cli([sys.executable, "-m", "distill.evaluate", *overrides, f"hydra.run.dir={tmp_path / 'eval'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
