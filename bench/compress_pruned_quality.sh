@@ -9,23 +9,24 @@ set -euo pipefail
 PY=${PY:-.venv/bin/python}
 O=${1:-outputs/compress_pruned}
 u=$O/untrained
-step() { [ -f "$1/quality_cost.csv" ] && { echo "have $1"; return 0; }; shift; "$@"; }
+# step FILE COMMAND...: run COMMAND unless FILE (what it writes last) exists
+step() { [ -f "$1" ] && { echo "have $1"; return 0; }; shift; "$@"; }
 [ -d "$u/pruned70" ] || $PY bench/compress_untrained.py --out "$u" pruned30=pruned:0.3 pruned50=pruned:0.5 pruned70=pruned:0.7
 for d in pruned30 pruned50 pruned70; do
-  step "$u/$d/eval" $PY -m distill.evaluate pipeline=$u/$d schedulers=[ddim] steps=[25] guidance_scale=3.0 \
+  step "$u/$d/eval/quality_cost.csv" $PY -m distill.evaluate pipeline=$u/$d schedulers=[ddim] steps=[25] guidance_scale=3.0 \
     num_per_class=50 grids=false cost_repeats=1 hydra.run.dir=$u/$d/eval
 done
 common=(callbacks.quality_cost.teacher=null logger=csv)
-for v in "pruned30|student.ratio=0.3 trainer.max_steps=1000" "pruned70|student.ratio=0.7 trainer.max_steps=1000" \
-  "pruned50|student.ratio=0.5" "pruned50_bksdm|student.ratio=0.5 method.match_mid_block=false"; do
+for v in "pruned30|student.ratio=0.3 trainer.max_steps=1000" "pruned50|student.ratio=0.5" \
+  "pruned70|student.ratio=0.7 trainer.max_steps=1000" "pruned50_bksdm|student.ratio=0.5 method.match_mid_block=false"; do
   # shellcheck disable=SC2086
-  step "$O/${v%%|*}" $PY -m distill.train +exp=compress ${v#*|} "${common[@]}" hydra.run.dir=$O/${v%%|*}
+  step "$O/${v%%|*}/export/model_index.json" $PY -m distill.train +exp=compress ${v#*|} "${common[@]}" hydra.run.dir=$O/${v%%|*}
 done
 lcm=(trainer.max_steps=500 method.lr_scheduler.total_steps=500 callbacks.quality_cost.every_n_steps=500
   "${common[@]}" sample_grid_seeds=0)
-step "$O/pruned50_lcm" $PY -m distill.train +exp=consistency student=pruned student.ratio=0.5 \
+step "$O/pruned50_lcm/export/model_index.json" $PY -m distill.train +exp=consistency student=pruned student.ratio=0.5 \
   student.time_cond_proj_dim=256 "${lcm[@]}" hydra.run.dir=$O/pruned50_lcm
-step "$O/recovered50_lcm" $PY -m distill.train +exp=consistency student=pretrained \
+step "$O/recovered50_lcm/export/model_index.json" $PY -m distill.train +exp=consistency student=pretrained \
   student.path=$O/pruned50/export student.time_cond_proj_dim=256 "${lcm[@]}" hydra.run.dir=$O/recovered50_lcm
 $PY bench/compress_table.py "pruned30 untrained=$u/pruned30/eval/quality_cost.csv" \
   "pruned50 untrained=$u/pruned50/eval/quality_cost.csv" "pruned70 untrained=$u/pruned70/eval/quality_cost.csv" \
