@@ -19,7 +19,7 @@ from distill.accelerate.taylorseer import TaylorSeer, block_modules
 from tests.test_blockcache import STEPS, pipe  # noqa: F401  (the flow teacher fixture)
 
 
-def sample(pipe, accelerator=None, prompts=("a handwritten digit three", "a handwritten digit seven"), **call):
+def sample(pipe, accelerator=None, prompts=("a handwritten digit three", "a handwritten digit seven"), **call):  # noqa: F811  (a parameter, not the fixture)
     call = {"guidance_scale": 3.0, "num_inference_steps": STEPS, **call}
     with accelerated(pipe, accelerator):
         return pipe(list(prompts), generator=torch.Generator().manual_seed(0), output_type="latent", **call).images
@@ -61,7 +61,7 @@ def hand_taylor(outputs: dict[int, torch.Tensor], real: list[int], k: int, order
     return sum(f * (k - before[-1]) ** i / math.factorial(i) for i, f in enumerate(factors))
 
 
-def test_interval_1_is_plain_sampling_bit_for_bit_and_the_hooks_go_away(pipe):
+def test_interval_1_is_plain_sampling_bit_for_bit_and_the_hooks_go_away(pipe):  # noqa: F811  (the fixture imported above)
     plain = sample(pipe)
     seer = TaylorSeer(interval=1)
     assert torch.equal(sample(pipe, seer), plain)
@@ -122,7 +122,7 @@ def test_flux_forecasts_double_blocks_and_single_blocks_proj_out_per_true_cfg_pa
                         "3.proj_out"] and skipped == ["2.attn", "2.proj_mlp", "3.attn", "3.proj_mlp"]
 
 
-def test_a_forecast_call_costs_the_cheap_parts_only_and_is_metered_as_cached(pipe):
+def test_a_forecast_call_costs_the_cheap_parts_only_and_is_metered_as_cached(pipe):  # noqa: F811
     from torch.utils.flop_counter import FlopCounterMode
 
     from distill.metrics.cost import NFECounter
@@ -148,7 +148,7 @@ def test_a_forecast_call_costs_the_cheap_parts_only_and_is_metered_as_cached(pip
     assert forecast.get_total_flops() < 0.2 * full.get_total_flops()  # embedding, modulation and head only
 
 
-def test_the_preset_and_bad_input_are_refused_before_sampling(pipe):
+def test_the_preset_and_bad_input_are_refused_before_sampling(pipe):  # noqa: F811
     from diffusers import UNet2DConditionModel
 
     seer = preset("taylorseer")

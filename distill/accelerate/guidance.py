@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 from distill.accelerate.base import Accelerator, call_input, like_output, output_tensor
-from distill.diffusion import flow
 from distill.accelerate.registry import ACCELERATORS
+from distill.diffusion import flow
 
 MODES = ("noisy", "x0", "clip")
 GUIDE_KINDS = {"noisy": "NoisyLatentClassifier", "x0": "ImageClassifier", "clip": "CLIP model"}
