@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from distill.config.resolvers import register_resolvers
 from distill.config.schema import register_configs
+from distill.utils.seeding import global_rng_seeded_by
 
 register_configs()
 register_resolvers()
@@ -75,8 +76,9 @@ def main(cfg: DictConfig) -> None:
     start = time.perf_counter()
     for prompt in prompts:
         generator = torch.Generator().manual_seed(cfg.seed)
-        rows.append(pipe([prompt] * cfg.num_seeds, guidance_scale=guidance, height=size, width=size,
-                         generator=generator, output_type="pt", **step_kwargs).images * 2 - 1)
+        with global_rng_seeded_by(generator):  # a stock flow pipeline's scheduler steps draw from the global RNG
+            rows.append(pipe([prompt] * cfg.num_seeds, guidance_scale=guidance, height=size, width=size,
+                             generator=generator, output_type="pt", **step_kwargs).images * 2 - 1)
     seconds = time.perf_counter() - start
     save_grid(torch.cat(rows), cfg.out, cfg.num_seeds, prompts, scale=cfg.upscale)
     n = len(prompts) * cfg.num_seeds

@@ -293,3 +293,40 @@ def test_a_flow_lcm_scheduler_on_a_vp_model_is_refused():
 
     with pytest.raises(ValueError, match="'flow_lcm' is a flow-matching scheduler, but the model has a discrete VP"):
         make_scheduler("flow_lcm", DDIMScheduler().config)
+
+
+def test_multi_step_flow_lcm_images_depend_on_the_call_seed_alone_and_leave_the_global_rng(tmp_path):
+    """StableDiffusion3Pipeline steps its scheduler without the call's generator, so FlowMatchLCMScheduler's
+    re-noising between steps drew from the global RNG: the same seed gave images up to 1.5 apart (in [-1, 1]) after
+    another torch.manual_seed. pipeline_images (sample grids), distill.sample and the quality-cost evaluator sample
+    under global_rng_seeded_by: same seed, same images, whatever the global state, which they leave as it was."""
+    from diffusers import FlowMatchLCMScheduler
+
+    from distill.families.sd3 import StableDiffusion3Family
+    from distill.methods.base import pipeline_images
+    from distill.utils.seeding import global_rng_seeded_by
+    from tests.sd3_tiny import tiny_sd3_pipeline
+
+    pipe = tiny_sd3_pipeline(tmp_path)
+    family = StableDiffusion3Family.from_pipeline(pipe)
+    lcm = family.pipeline(pipe.transformer, FlowMatchLCMScheduler.from_config(pipe.scheduler.config),
+                          default_num_inference_steps=4, guidance_distilled=True, sigma_spacing="trailing",
+                          default_max_sequence_length=4)
+    images, after = [], []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        images.append(pipeline_images(lcm, ["a", "b"], torch.Generator().manual_seed(0)))
+        after.append(torch.rand(3))
+        torch.manual_seed(global_seed)
+        assert torch.equal(after[-1], torch.rand(3))  # the global stream as if nothing had sampled
+    assert torch.equal(images[0], images[1])
+    # without the context the stock call is not a function of its seed (the bug this guards against)
+    unseeded = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        unseeded.append(lcm(["a"], generator=torch.Generator().manual_seed(0), output_type="pt").images)
+    assert (unseeded[0] - unseeded[1]).abs().max() > 1e-2
+    with global_rng_seeded_by(torch.Generator().manual_seed(5)):
+        inside = torch.rand(2)
+    torch.manual_seed(5)
+    assert torch.equal(inside, torch.rand(2))

@@ -24,6 +24,7 @@ from distill.diffusion.noise import (
     lognormal_bin_probabilities,
     pair_rows,
 )
+from distill.utils.seeding import global_rng_seeded_by
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
@@ -49,8 +50,9 @@ def pipeline_images(pipe, captions: list[str], generator: torch.Generator, num_i
     was_training = denoiser.training
     denoiser.eval()
     size = native_size(pipe)
-    images = pipe(list(captions), num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                  height=size, width=size, generator=generator, output_type="pt").images
+    with global_rng_seeded_by(generator):  # a stock flow pipeline's scheduler steps draw from the global RNG
+        images = pipe(list(captions), num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                      height=size, width=size, generator=generator, output_type="pt").images
     denoiser.train(was_training)
     return images * 2.0 - 1.0
 

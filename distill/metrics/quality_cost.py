@@ -14,6 +14,7 @@ from distill.inference.schedulers import scheduler_options
 from distill.metrics.bootstrap import protocol_key
 from distill.metrics.cost import NFECounter, measure_cost
 from distill.metrics.registry import Samples, build_metrics
+from distill.utils.seeding import global_rng_seeded_by
 
 
 class Sampler(Protocol):
@@ -113,8 +114,9 @@ class QualityCostEvaluator:
         for i, start in enumerate(range(0, len(self.captions), self.batch_size)):
             generator = torch.Generator().manual_seed(self.seed + i)
             stop = start + self.batch_size
-            images.append(sampler(self.captions[start:stop], self._batch_labels(start, stop), scheduler, steps,
-                                  guidance_scale, generator).float().cpu())
+            with global_rng_seeded_by(generator):  # the re-noising of a multi-step flow_lcm student too
+                images.append(sampler(self.captions[start:stop], self._batch_labels(start, stop), scheduler, steps,
+                                      guidance_scale, generator).float().cpu())
             if on_batch is not None:
                 on_batch()
         return torch.cat(images)
