@@ -14,10 +14,15 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, LCMScheduler
 
-from distill.diffusion.dmd import dmd_gradient, dmd_loss, gan_discriminator_loss, gan_generator_loss, generator_timesteps
+from distill.diffusion.dmd import (
+    dmd_gradient,
+    dmd_loss,
+    gan_discriminator_loss,
+    gan_generator_loss,
+    generator_timesteps,
+)
 from tests.conftest import ROOT, run_train
 from tests.sd_tiny import write_tiny_sd
-
 
 # ---------------------------------------------------------------- a Gaussian toy with closed-form scores
 
@@ -31,12 +36,11 @@ def gaussian_kl(mean_q, var_q, mean_p, var_p):
     return 0.5 * (torch.log(var_p / var_q) + (var_q + (mean_q - mean_p) ** 2) / var_p - 1.0)
 
 
-@pytest.mark.parametrize("alpha", [0.9, 0.6, 0.2])
-def test_dmd_gradient_is_the_reverse_kl_gradient_before_normalisation(alpha):
-    """Data N(mu, v), generator x = m + s z: d KL(q_t || p_t) / d(m, s) of the noised marginals (closed form) equals
-    (alpha^2 / sigma^2) E[(fake x0 - real x0) dx/d(m, s)] (the DMD gradient back-propagated by ``dmd_loss``), the
-    expectation exact by Gauss-Hermite quadrature over (z, eps) (the integrand is a polynomial of degree 2)."""
-    sigma = math.sqrt(1 - alpha ** 2)
+def assert_dmd_gradient_is_reverse_kl_gradient(alpha: float, sigma: float) -> None:
+    """Data N(mu, v), generator x = m + s z, noised as x_t = alpha x + sigma eps: d KL(q_t || p_t) / d(m, s) of the
+    noised marginals (closed form) equals (alpha^2 / sigma^2) E[(fake x0 - real x0) dx/d(m, s)] (the DMD gradient
+    back-propagated by ``dmd_loss``), the expectation exact by Gauss-Hermite quadrature over (z, eps) (the integrand
+    is a polynomial of degree 2)."""
     mu, v = torch.tensor(1.5, dtype=torch.float64), torch.tensor(0.3, dtype=torch.float64)
     m = torch.tensor(-0.4, dtype=torch.float64, requires_grad=True)
     s = torch.tensor(1.2, dtype=torch.float64, requires_grad=True)
@@ -53,6 +57,12 @@ def test_dmd_gradient_is_the_reverse_kl_gradient_before_normalisation(alpha):
     per_node = dmd_loss(x, dmd_gradient(x, real, fake, normalize=False), reduce=False)  # d/dx = fake - real
     got = torch.stack(torch.autograd.grad((w * per_node).sum(), (m, s))) * alpha ** 2 / sigma ** 2
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("alpha", [0.9, 0.6, 0.2])
+def test_dmd_gradient_is_the_reverse_kl_gradient_before_normalisation(alpha):
+    """On the VP path (sigma = sqrt(1 - alpha^2)): ``assert_dmd_gradient_is_reverse_kl_gradient``."""
+    assert_dmd_gradient_is_reverse_kl_gradient(alpha, math.sqrt(1 - alpha ** 2))
 
 
 def test_the_normalised_gradient_is_parallel_per_example():
@@ -263,9 +273,9 @@ def test_bad_input_exits_2_before_any_model_is_built(tmp_path):
     assert "method.critic_updates=0" in proc.stderr and not run_dir.exists()
 
 
-@pytest.mark.slow  # a second CLI start (~40 s on a loaded machine); the family check it exercises is shared
-def test_a_flow_teacher_is_refused_before_compute(tmp_path):
+@pytest.mark.slow  # a second CLI start (~40 s on a loaded machine); tests/test_dmd2_flow.py checks it in-process
+def test_the_vp_preset_on_a_flow_teacher_is_refused_before_compute(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_train("+exp=dmd2", "teacher=digits_flow", "scheduler=flow_lcm", f"hydra.run.dir={run_dir}", timeout=120)
+    proc = run_train("+exp=dmd2", "teacher=digits_flow", f"hydra.run.dir={run_dir}", timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "method='dmd2' cannot train" in proc.stderr and not run_dir.exists()
+    assert "use +exp=dmd2_flow" in proc.stderr and not run_dir.exists()

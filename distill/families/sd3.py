@@ -12,7 +12,8 @@ Consistency distillation (``method=consistency``: Euler steps of the flow ODE, e
 steps, the student sampled on the trailing sigmas it learned, ``sigma_spacing``) and ECT (``method=consistency_training``:
 ECT's noise-level pairs at flow times sigma / (1 + sigma), sampled with ``scheduler=flow_lcm``) and BK-SDM's output
 and feature distillation (``method=feature_distillation``: t drawn as SD3 trains, each joint block's image tokens
-matched, a shallower student's blocks to evenly spaced teacher blocks, ``student=shallow``) serve this family; the
+matched, a shallower student's blocks to evenly spaced teacher blocks, ``student=shallow``) and DMD2
+(``method=dmd2``: a generator of x0 = x_t - t v on the trailing sigmas, ``+exp=dmd2_flow``) serve this family; the
 other training methods step the discrete VP schedule at integer timesteps, and a run of one on an SD3 teacher is refused
 before anything loads. ``distill.evaluate`` and
 ``distill.sample`` run on it, and ``method=flow_matching`` trains an SD3 transformer from scratch (``+exp=flow_teacher``).
@@ -191,7 +192,7 @@ class StableDiffusion3Family(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     # the others step the discrete VP schedule at integer timesteps
-    methods = ("consistency", "progressive", "consistency_training", "feature_distillation")
+    methods = ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2")
     flow_matching = True
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 

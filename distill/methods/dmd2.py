@@ -1,6 +1,7 @@
 """Distribution matching distillation (Yin et al. 2024, "Improved Distribution Matching Distillation for Fast Image
 Synthesis", DMD2): a few-step generator trained by the reverse-KL gradient between the frozen teacher's guided
-score and a fake score that tracks the generator's own distribution, plus a GAN term on the fake score's features."""
+score and a fake score that tracks the generator's own distribution, plus a GAN term on the fake score's features;
+on a discrete VP teacher (SD UNets) or a flow-matching one (SD3, Flux transformers)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from distill.diffusion import cfg, diffusion_loss
+from distill.diffusion import FlowMatchingSchedule, cfg, diffusion_loss
+from distill.diffusion import flow as flow_math
 from distill.diffusion.dmd import (
     dmd_gradient,
     dmd_loss,
@@ -20,6 +22,7 @@ from distill.diffusion.dmd import (
     generator_timesteps,
 )
 from distill.methods import METHODS
+from distill.methods.checks import check_resolution
 from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.teacher import Teacher
 
@@ -41,6 +44,26 @@ class DiscriminatorHead(nn.Module):
 
     def forward(self, feature: torch.Tensor) -> torch.Tensor:
         return self.out(self.body(feature).mean(dim=(2, 3))).squeeze(1)  # (N,)
+
+
+class TokenDiscriminatorHead(nn.Module):
+    """The same head for a transformer's (N, T, D) token feature: LayerNorm-SiLU-linear twice on each token, a mean
+    over the tokens and a linear map to one logit per example (a token MLP: it reads any patch or packing layout and
+    any resolution, where a reshape to the latent grid would have to undo each family's patching)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.LayerNorm(width), nn.SiLU(), nn.Linear(width, width),
+                                  nn.LayerNorm(width), nn.SiLU(), nn.Linear(width, width))
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(feature).mean(dim=1)).squeeze(1)  # (N, T, D) -> (N,)
+
+
+def discriminator_head(feature: torch.Tensor, width: int) -> nn.Module:
+    """The head for a block feature: convolutional on a UNet's (N, C, H, W), token MLP on a transformer's (N, T, D)."""
+    return DiscriminatorHead(width) if feature.ndim == 4 else TokenDiscriminatorHead(width)
 
 
 class FakeScore(nn.Module):
@@ -90,6 +113,30 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
     (diffusers' LCMScheduler, which the export samples with); without it, from noised training latents. The
     generator's first input is pure noise at t_0 = T - 1.
 
+    On a flow-matching teacher (``FlowMatchingSchedule``: SD3, Flux; x_t = (1 - t) x0 + t eps, v = eps - x0):
+
+    - G maps x_{t_k} to x0 = x_t - t v_G on the N flow times of the family's few-step grid, the trailing sigmas
+      shift(linspace(1, 1 / N, N)) (1 step: t = 1; 4 steps at SD3's shift 3: 1, 0.9, 0.75, 0.5), at Flux's mu of the
+      training resolution under a resolution shift (``bind_resolution``); backward simulation re-noises x0 to the next
+      time by (1 - t) x0 + t eps, which is ``FlowMatchLCMScheduler.step`` (``scheduler=flow_lcm``), the export's
+      sampler, given those sigmas by the pipeline (``sigma_spacing="trailing"``; FluxPipeline's own sigmas).
+    - The real score is the teacher's velocity guided in velocity form, v_u + s (v_c - v_u) (SD3's CFG, Flux's true
+      CFG), read as x0 = x_t - t v (CFG on x0 is the same, x0 being affine in v at fixed x_t); a teacher with
+      FLUX.1-dev's guidance embedding takes s through it instead of a CFG pass. A generator with that embedding is
+      called at s too (and the export's default call passes s), the fake score at 1 (DMD2's unguided fake score).
+    - The fake score's loss is the teacher's flow-matching loss, mean (v - (eps - x0))^2 on detached samples.
+    - Times: DMD2's t are fractions of the teacher's T training timesteps (0.02 T to 0.98 T for the DMD loss, all of
+      them for the fake score and the GAN, uniformly). A flow scheduler's training timesteps are shift(i / T), so the
+      same fractions are taken here: u ~ U[dmd_time_min, dmd_time_max], t = shift(u) (continuous: a flow teacher is
+      trained at continuous times), the teacher's own shift (SD3's 3.0: t in [0.058, 0.993]; Flux's at the training
+      mu). This keeps the paper's recipe on the teacher's own time table (at shift 1 it is the paper's [0.02, 0.98])
+      and spends the DMD loss where the teacher's sampler spends its steps; applying [0.02, 0.98] to t itself would
+      undo the shift the teacher was trained and is sampled with.
+    - The discriminator reads the fake score's image tokens (N, T, D) at the output of its middle block (the middle
+      of the family's feature blocks in forward order: SD3's joint block (L - 1) // 2, Flux's double/single stack
+      likewise) through ``TokenDiscriminatorHead``.
+    - DMD v1's regression loss (DDIM targets) is VP-only and refused.
+
     Defaults: DMD2's Stable Diffusion 1.5 recipe (its train_sd.py settings): real guidance 1.75, 10 critic updates
     per generator update, GAN weights 1e-3 (generator) and 1e-2 (critic), backward simulation.
     """
@@ -113,6 +160,9 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
         backward_simulation: bool = True,
         regression_weight: float = 0.0,  # DMD v1's regression loss; off, as in DMD2
         regression_steps: int = 25,  # the teacher's DDIM steps for the regression targets
+        # the training images' side in pixels (conf/method/dmd2.yaml: data.resolution); read only where the teacher's
+        # scheduler shifts by resolution (Flux), whose generator times are built at its mu
+        resolution: int | None = None,
         cache_prompts: bool = True,
         sampling: dict | None = None,
         **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
@@ -124,9 +174,20 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
                          guidance_scale_max=real_guidance_scale, cache_prompts=cache_prompts, **speed)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "critic_optimizer", "lr_scheduler",
                                           "critic_lr_scheduler"])
-        if self.w_dim is not None or self.student_guidance_embedded:
+        self.flow = isinstance(self.schedule, FlowMatchingSchedule)
+        if self.w_dim is not None:
             raise ValueError(f"student.time_cond_proj_dim={self.w_dim}: a DMD2 generator takes no guidance input (its "
                              "guidance is the real score's, method.real_guidance_scale); set student.time_cond_proj_dim=null")
+        if self.flow and regression_weight > 0:
+            raise ValueError(f"method.regression_weight={regression_weight} on the flow-matching teacher "
+                             f"{self.teacher_source!r}: DMD v1's regression targets are DDIM solutions of a VP teacher; "
+                             "set method.regression_weight=0")
+        self.sampling = dict(sampling or {"name": "flow_lcm" if self.flow else "lcm", "num_inference_steps": 1,
+                                          "guidance_scale": 1.0})
+        from distill.inference.schedulers import check_scheduler_kind
+
+        check_scheduler_kind(self.sampling["name"], self.noise_scheduler_config, key="scheduler.name")
+        self.bind_resolution(resolution)  # under a resolution shift (Flux): the generator's times at the training mu
         self.critic = self._fake_score(fake_score.train())
         self.add_role("critic", critic_optimizer, critic_lr_scheduler, updates_per_step=critic_updates)
         self.real_guidance_scale, self.critic_updates = real_guidance_scale, critic_updates
@@ -134,35 +195,45 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
         self.gan_generator_weight, self.gan_critic_weight = gan_generator_weight, gan_critic_weight
         self.backward_simulation = backward_simulation
         self.regression_weight, self.regression_steps = regression_weight, regression_steps
-        self.sampling = dict(sampling or {"name": "lcm", "num_inference_steps": 1, "guidance_scale": 1.0})
-        T = self.schedule.num_train_timesteps
-        self.register_buffer("generator_timesteps", generator_timesteps(T, self.sampling["num_inference_steps"]),
-                             persistent=False)
+        steps = self.sampling["num_inference_steps"]
+        times = (self.trailing_flow_sigmas(steps)[:-1] if self.flow
+                 else generator_timesteps(self.schedule.num_train_timesteps, steps))
+        self.register_buffer("generator_timesteps", times, persistent=False)
         self._parts: dict[str, torch.Tensor] = {}  # the last student loss's terms, logged by student_loss
 
     def _fake_score(self, score: nn.Module) -> FakeScore:
-        """The critic on ``score``: its discriminator head sized by a probe forward at the family's mid block."""
+        """The critic on ``score``: its discriminator head at the family's mid block (a UNet's ``mid_block``; else the
+        middle of its feature blocks in forward order, a transformer's middle block), sized by a probe forward."""
         blocks = self.family.feature_blocks(score, mid_block=True)
-        if "mid_block" not in blocks:
-            raise ValueError(f"{type(score).__name__} has no mid block for DMD2's discriminator head; set "
-                             "method.gan_generator_weight=0 and method.gan_critic_weight=0")
-        name = next(n for n, m in score.named_modules() if m is blocks["mid_block"])
+        module = blocks.get("mid_block") or list(blocks.values())[(len(blocks) - 1) // 2]
+        name = next(n for n, m in score.named_modules() if m is module)
         critic = FakeScore(score, name, 1, self.family.block_feature)
         with torch.no_grad():
             x, t, cond = self.family.example_inputs(score)
             self.family.denoise(score, x, t, cond)
-        width = critic.last_feature().shape[self.family.feature_width_dim]
-        critic.head = DiscriminatorHead(width)
+        feature = critic.last_feature()
+        critic.head = discriminator_head(feature, feature.shape[self.family.feature_width_dim])
         return critic
 
     def frozen_networks(self) -> list[nn.Module]:  # the fake score runs every step too: compiled as the student is
         return super().frozen_networks() + [self.critic.score]
 
+    # ------------------------------------------------------------------ guidance inputs (FLUX.1-dev's embedding)
+
+    def _guidance(self, embedded: bool, scale: float, n: int, device) -> dict:
+        """The guidance-input keyword arguments of a network with the family's guidance embedding, at ``scale`` for
+        ``n`` rows; none for a network without one."""
+        return self.family.guidance_input(torch.full((n,), scale, device=device)) if embedded else {}
+
+    def _fake_kwargs(self, n: int, device) -> dict:
+        return self._guidance(self.teacher_guidance_embedded, 1.0, n, device)  # DMD2's fake_guidance_scale = 1
+
     # ------------------------------------------------------------------ the generator
 
     def generator_x0(self, x_t: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        """G(x_t, t): the student's x0 at (x_t, t) in the teacher's parametrisation."""
-        return self.schedule.to_x0_eps(self.family.denoise(self.student, x_t, t, cond), x_t, t)[0]
+        """G(x_t, t): the student's x0 at (x_t, t) in the teacher's parametrisation (flow: x_t - t v)."""
+        extra = self._guidance(self.student_guidance_embedded, self.real_guidance_scale, len(x_t), x_t.device)
+        return self.schedule.to_x0_eps(self.family.denoise(self.student, x_t, t, cond, **extra), x_t, t)[0]
 
     def generator_inputs(self, x_real: torch.Tensor, cond: dict, generator: torch.Generator | None = None,
                          step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,14 +260,27 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
 
     # ------------------------------------------------------------------ scores
 
-    def _uniform_timesteps(self, n: int, low: float, high: float, device, generator=None) -> torch.Tensor:
-        """(n,) integer timesteps uniform in [floor(low T), floor(high T)] (clipped to T - 1)."""
-        T = self.schedule.num_train_timesteps
-        lo, hi = int(low * T), min(int(high * T), T - 1)
-        return torch.randint(lo, hi + 1, (n,), generator=generator).to(device)
+    def draw_times(self, n: int, low: float, high: float, device, generator=None) -> torch.Tensor:
+        """(n,) times at fractions [low, high] of the teacher's T training timesteps: integer timesteps uniform in
+        [floor(low T), floor(high T)] (clipped to T - 1) on a VP schedule; on a flow schedule t = shift(u), u ~ U[low,
+        high] (the scheduler's training timesteps are shift(i / T); Flux's shift at the training mu)."""
+        if not self.flow:
+            T = self.schedule.num_train_timesteps
+            lo, hi = int(low * T), min(int(high * T), T - 1)
+            return torch.randint(lo, hi + 1, (n,), generator=generator).to(device)
+        u = low + (high - low) * torch.rand(n, generator=generator, dtype=torch.float64)
+        if self.mu is not None:
+            t = flow_math.time_shift(u, self.mu, 1.0, self.schedule.time_shift_type)
+        else:
+            t = self.schedule.shift_times(u)
+        return t.float().to(device)
 
     def real_x0(self, x_t: torch.Tensor, t: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
-        """The real score's x0: the frozen teacher's, guided at ``real_guidance_scale``."""
+        """The real score's x0: the frozen teacher's, guided at ``real_guidance_scale`` (classifier-free guidance, or
+        a teacher's guidance embedding)."""
+        if self.teacher_guidance_embedded:
+            extra = self._guidance(True, self.real_guidance_scale, len(x_t), x_t.device)
+            return self.schedule.to_x0_eps(self.teacher_forward(x_t, t, cond, **extra), x_t, t)[0]
         out_c, out_u = self.teacher_cond_uncond(x_t, t, cond, uncond)
         x0_c = self.schedule.to_x0_eps(out_c, x_t, t)[0]
         if self.real_guidance_scale == 1.0:
@@ -206,15 +290,17 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
     def fake_x0(self, x_t: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """The fake score's x0 (unguided, as DMD2's fake_guidance_scale = 1), without gradient."""
         with torch.no_grad():
-            return self.schedule.to_x0_eps(self.family.denoise(self.critic.score, x_t, t, cond), x_t, t)[0].float()
+            out = self.family.denoise(self.critic.score, x_t, t, cond, **self._fake_kwargs(len(x_t), x_t.device))
+            return self.schedule.to_x0_eps(out, x_t, t)[0].float()
 
     def discriminator_logits(self, x0: torch.Tensor, cond: dict, generator: torch.Generator | None = None
                              ) -> torch.Tensor:
         """(N,) the head's logits on the fake score's mid-block feature of x0 noised at t ~ U{0, ..., T - 1}
         (DMD2's diffusion GAN, max timestep T)."""
-        t = self._uniform_timesteps(x0.shape[0], 0.0, 1.0, x0.device, generator)
+        t = self.draw_times(x0.shape[0], 0.0, 1.0, x0.device, generator)
         noise = torch.randn(x0.shape, generator=generator).to(x0)
-        self.family.denoise(self.critic.score, self.schedule.add_noise(x0, noise, t), t, cond)
+        self.family.denoise(self.critic.score, self.schedule.add_noise(x0, noise, t), t, cond,
+                            **self._fake_kwargs(len(x0), x0.device))
         return self.critic.head(self.critic.last_feature())
 
     # ------------------------------------------------------------------ losses by role
@@ -222,10 +308,11 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         """The generator's loss: the DMD loss, the GAN generator loss and the optional regression loss."""
         x_real = self.latents(batch, generator)  # (N, C, h, w): the GAN's real samples, noised inputs w/o simulation
+        self.check_latent_size(x_real, "generator's time list")
         n, device = x_real.shape[0], x_real.device
         cond, uncond = self.text_conditions(batch, n, device)
         x = self.generator_sample(x_real, cond, generator)
-        t = self._uniform_timesteps(n, self.dmd_time_min, self.dmd_time_max, device, generator)
+        t = self.draw_times(n, self.dmd_time_min, self.dmd_time_max, device, generator)
         x_t = self.schedule.add_noise(x.detach(), torch.randn(x.shape, generator=generator).to(x), t)
         grad = dmd_gradient(x, self.real_x0(x_t, t, cond, uncond), self.fake_x0(x_t, t, cond))
         parts = {"dmd_loss": dmd_loss(x, grad)}
@@ -244,26 +331,29 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
 
     def critic_loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
         """The fake score's denoising loss on detached generator samples x (the teacher's objective: mean (pred -
-        target)^2 of its prediction type at x_t = alpha_t x + sigma_t eps, t ~ U{0, ..., T - 1}) plus
-        ``gan_critic_weight`` times the discriminator's loss on noised training latents and samples; the
-        three inputs in one forward of the fake score."""
+        target)^2 of its prediction type at x_t = alpha_t x + sigma_t eps, t drawn over all of the teacher's
+        training times: the velocity target eps - x on a flow teacher) plus ``gan_critic_weight`` times the
+        discriminator's loss on noised training latents and samples; the three inputs in one forward of the fake
+        score."""
         x_real = self.latents(batch, generator)
         n, device = x_real.shape[0], x_real.device
         cond, _ = self.text_conditions(batch, n, device)
         with torch.no_grad():
             x = self.generator_sample(x_real, cond, generator)
-        t = self._uniform_timesteps(n, 0.0, 1.0, device, generator)
+        t = self.draw_times(n, 0.0, 1.0, device, generator)
         eps = torch.randn(x.shape, generator=generator).to(x)
         inputs, times, conds = [self.schedule.add_noise(x, eps, t)], [t], [cond]
         gan = self.gan_critic_weight > 0
         if gan:  # DMD2's diffusion GAN: real latents and samples noised at t ~ U{0, ..., T - 1}
             for x0 in (x_real, x):
-                t_d = self._uniform_timesteps(n, 0.0, 1.0, device, generator)
+                t_d = self.draw_times(n, 0.0, 1.0, device, generator)
                 inputs.append(self.schedule.add_noise(x0, torch.randn(x0.shape, generator=generator).to(x0), t_d))
                 times.append(t_d)
                 conds.append(cond)
+        rows = n * len(inputs)
         pred = self.family.denoise(self.critic.score, torch.cat(inputs), torch.cat(times),
-                                   {k: torch.cat([c[k] for c in conds]) for k in cond})
+                                   {k: torch.cat([c[k] for c in conds]) for k in cond},
+                                   **self._fake_kwargs(rows, device))
         loss = diffusion_loss(pred[:n], self.schedule.prediction_target(x, eps, t))
         if gan:
             logits = self.critic.head(self.critic.last_feature()[n:])
@@ -301,38 +391,81 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
     def sampling_scheduler(self, name: str | None = None):
         """diffusers' LCMScheduler on the generator's timesteps (``original_inference_steps`` = its step count):
         x0 from the generator, re-noised with fresh noise to the next timestep, as in training; its boundary
-        scalings made vanish (``BOUNDARY_FREE_TIMESTEP_SCALING``). Another ``name``: that scheduler as configured."""
+        scalings made vanish (``BOUNDARY_FREE_TIMESTEP_SCALING``). On a flow teacher ``FlowMatchLCMScheduler`` from
+        the teacher's scheduler config (its shift kept): x0 = x_t - t v, re-noised to the next sigma, on the sigmas
+        the pipeline gives it (``extra_call_defaults``). Another ``name``: that scheduler as configured."""
         from distill.inference.schedulers import make_scheduler, scheduler_options
 
         name = name or self.sampling["name"]
+        if name == "flow_lcm":
+            return make_scheduler(name, self.noise_scheduler_config)
         if name != "lcm":
             return make_scheduler(name, self.noise_scheduler_config, **scheduler_options(name))
         return make_scheduler("lcm", self.noise_scheduler_config, original_inference_steps=self.num_inference_steps,
                               timestep_scaling=BOUNDARY_FREE_TIMESTEP_SCALING)
 
+    def extra_call_defaults(self) -> dict:
+        """On a flow teacher with a static shift, the trailing sigma spacing (the generator's times; under a
+        resolution shift FluxPipeline's own sigmas are those); a generator with a guidance embedding is called at
+        ``real_guidance_scale``, as trained."""
+        defaults = {}
+        if self.flow and not self.schedule.use_dynamic_shifting:
+            defaults["sigma_spacing"] = "trailing"
+        if self.student_guidance_embedded:
+            defaults["default_guidance_scale"] = self.real_guidance_scale
+        return defaults
+
     def guidance_source(self) -> str:
-        return f"the teacher's classifier-free guidance at scale {self.real_guidance_scale} (the real score)"
+        kind = "embedded guidance" if self.teacher_guidance_embedded else "classifier-free guidance"
+        return f"the teacher's {kind} at scale {self.real_guidance_scale} (the real score)"
 
     def export_info(self) -> dict:
-        return {**super().export_info(), "generator_timesteps": self.generator_timesteps.tolist(),
+        info = {**super().export_info(), "generator_timesteps": self.generator_timesteps.tolist(),
                 "real_guidance_scale": self.real_guidance_scale, "critic_updates": self.critic_updates,
                 "backward_simulation": self.backward_simulation}
+        if self.flow:
+            info.update(generator="x0 = x_t - t v at the flow times generator_timesteps, re-noised by "
+                                  "(1 - t) x0 + t eps (FlowMatchLCMScheduler)")
+        return info
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """The options (``check_options``), an LCM sampling scheduler (the generator's own steps) and a student
-        without a guidance input."""
+        """The options (``check_options``), the generator's own sampler (``lcm`` on a VP teacher, ``flow_lcm`` on a
+        flow-matching one, read from a local teacher's scheduler config), a student without a guidance input,
+        ``method.resolution`` the data's, no regression loss on a flow teacher."""
         m = cfg.method
         check_options(m.real_guidance_scale, m.critic_updates, m.dmd_time_min, m.dmd_time_max, m.gan_generator_weight,
                       m.gan_critic_weight, m.regression_weight, m.regression_steps)
         name = str(getattr(cfg.scheduler.name, "value", cfg.scheduler.name))
-        if name != "lcm":
+        if name not in ("lcm", "flow_lcm"):
             raise ValueError(f"scheduler.name={name!r}: a DMD2 generator samples on its own timesteps "
-                             "with the LCM scheduler (x0, then re-noise); use scheduler=lcm")
+                             "with the LCM scheduler (x0, then re-noise); use scheduler=lcm (scheduler=flow_lcm on a "
+                             "flow-matching teacher)")
+        flow = _flow_teacher(cfg)
+        if flow is not None and flow != (name == "flow_lcm"):
+            teacher = cfg.teacher.pretrained_model_name_or_path
+            fix = "+exp=dmd2_flow (scheduler=flow_lcm)" if flow else "+exp=dmd2 (scheduler=lcm)"
+            raise ValueError(f"scheduler.name={name!r} on the {'flow-matching' if flow else 'discrete VP'} teacher "
+                             f"{str(teacher)!r}: the generator samples with its kind of LCM scheduler; use {fix}")
+        if flow and m.regression_weight > 0:
+            raise ValueError(f"method.regression_weight={m.regression_weight} on a flow-matching teacher: DMD v1's "
+                             "regression targets are DDIM solutions of a VP teacher; set method.regression_weight=0")
         w_dim = cfg.get("student", {}).get("time_cond_proj_dim")
         if w_dim is not None:
             raise ValueError(f"student.time_cond_proj_dim={w_dim}: a DMD2 generator takes no guidance input (its "
                              "guidance is the real score's, method.real_guidance_scale); set student.time_cond_proj_dim=null")
+        check_resolution(cfg)
+
+
+def _flow_teacher(cfg) -> bool | None:
+    """Whether a local teacher folder is flow matching, from its scheduler config alone; None for a hub id (the
+    method's constructor checks it once loaded)."""
+    from pathlib import Path
+
+    from distill.models.teacher import is_flow_matching, pipeline_configs
+
+    path = Path(str(cfg.teacher.pretrained_model_name_or_path))
+    return is_flow_matching(pipeline_configs(path)["scheduler"]) if path.exists() else None
 
 
 def check_options(real_guidance_scale: float, critic_updates: int, dmd_time_min: float, dmd_time_max: float,
