@@ -371,3 +371,25 @@ def test_teacher_flux_names_flux1_dev_and_is_refused_from_its_configs_before_its
         assert compose(f"+exp={exp}").teacher.pretrained_model_name_or_path == "black-forest-labs/FLUX.1-dev"
     assert fetched == ["model_index.json", "scheduler/scheduler_config.json", "unet/config.json",
                        "transformer/config.json"]
+
+
+def test_the_training_table_samples_a_flux_teacher_at_the_students_size(tmp_path):
+    """The quality-cost callback's teacher rows: a stock FluxPipeline samples at its native size (128 latent pixels x
+    the VAE factor here; 1024 px for FLUX.1) and that size's mu, while a student trained at latent side 8 samples at
+    8 x the factor: the teacher is sampled at the student's size (review finding: speed-ups compared across sizes).
+    A family without a resolution shift keeps the teacher's own size."""
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchLCMScheduler
+
+    from distill.callbacks.quality_cost import teacher_sample_size
+    from tests.flux_tiny import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline(tmp_path)
+    family = FluxFamily.from_pipeline(pipe)
+    student = family.pipeline(pipe.transformer, FlowMatchLCMScheduler.from_config(pipe.scheduler.config),
+                              **family.resolution_defaults(8, 8))
+    assert native_size(pipe) != native_size(student) == 8 * pipe.vae_scale_factor
+    module = SimpleNamespace(latent_size=8, pipeline=lambda scheduler=None: student)
+    assert teacher_sample_size(native_size(pipe), module) == 8 * pipe.vae_scale_factor
+    assert teacher_sample_size(native_size(pipe), SimpleNamespace(latent_size=None)) == native_size(pipe)

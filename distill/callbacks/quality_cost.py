@@ -100,8 +100,10 @@ class QualityCostCallback(L.Callback):
         from distill.metrics.quality_cost import PipelineSampler
 
         student = trained_parameter(pl_module.student)
-        return PipelineSampler(load_pipeline(self.teacher).to(device=student.device, dtype=student.dtype),
-                               own=pipeline_defaults(self.teacher).get("name"))
+        sampler = PipelineSampler(load_pipeline(self.teacher).to(device=student.device, dtype=student.dtype),
+                                  own=pipeline_defaults(self.teacher).get("name"))
+        sampler.size = teacher_sample_size(sampler.size, pl_module)
+        return sampler
 
     def _teacher_rows(self, pl_module) -> list[dict]:
         """The teacher's rows, computed once (they are kept in the checkpoint); the teacher is released after."""
@@ -247,3 +249,14 @@ class QualityCostCallback(L.Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.teacher_rows, self.history = list(state["teacher_rows"]), list(state["history"])
+
+
+def teacher_sample_size(teacher_size: int, pl_module) -> int:
+    """The side, in pixels, the teacher's rows sample at: the student's where its family shifts the schedule by
+    resolution (Flux: ``pl_module.latent_size`` set, the student's pipeline sampling at the training size and its mu),
+    so that the teacher is compared at the student's size and token count; else the teacher's own native size."""
+    if getattr(pl_module, "latent_size", None) is None:
+        return teacher_size
+    from distill.families import native_size
+
+    return native_size(pl_module.pipeline())
