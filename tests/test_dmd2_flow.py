@@ -232,13 +232,26 @@ def test_flux_dev_real_score_takes_its_guidance_embedding_the_fake_score_guidanc
     assert torch.isfinite(loss) and torch.isfinite(critic) and critic > 0
 
 
+def _sample(export, **call):
+    """``DiffusionPipeline.from_pretrained(export)(prompt)`` with diffusers' defaults, the global RNG seeded as the
+    stock scripts seed it (the flow pipelines step FlowMatchLCMScheduler without the call's generator): (the
+    pipeline, its images, (transformer calls, rows))."""
+    from distill.metrics.cost import NFECounter
+
+    pipe = DiffusionPipeline.from_pretrained(export)
+    pipe.set_progress_bar_config(disable=True)
+    torch.manual_seed(0)
+    with NFECounter(pipe.transformer) as counter:
+        images = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), output_type="pt", **call).images
+    assert torch.isfinite(images).all() and images.std() > 0
+    return pipe, images, (counter.calls, counter.examples)
+
+
 def test_the_export_samples_on_the_generator_times_and_the_stock_class_alike(sd3_dir, tmp_path):
     """The exported 2-step generator: DistillSD3Pipeline on FlowMatchLCMScheduler; from_pretrained(export)(prompt)
     runs 2 transformer calls of 1 row (no CFG pass) at 1000 t_k of the generator's times, and the stock
     StableDiffusion3Pipeline, in a process that does not import distill, called with the card's arguments, gives the
     same images."""
-    from distill.metrics.cost import NFECounter
-
     method = _apart(_method(sd3_dir, steps=2), 3)
     export = method.export(tmp_path / "export")
     index = json.loads((export / "model_index.json").read_text())
@@ -246,15 +259,9 @@ def test_the_export_samples_on_the_generator_times_and_the_stock_class_alike(sd3
     info = json.loads((export / "distill.json").read_text())
     assert info["method"] == "dmd2" and info["generator_timesteps"] == [1.0, pytest.approx(0.75)]
     assert info["stock"]["call"]["sigmas"] == [1.0, 0.5] and info["sampling"]["nfe_per_step"] == 1
-    pipe = DiffusionPipeline.from_pretrained(export)
-    pipe.set_progress_bar_config(disable=True)
     seen = []
-    torch.manual_seed(0)
-    with NFECounter(pipe.transformer) as counter:
-        ours = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), output_type="pt",
-                    callback_on_step_end=lambda p, i, t, kw: seen.append(float(t)) or kw).images
-    assert (counter.calls, counter.examples) == (2, 2) and torch.isfinite(ours).all() and ours.std() > 0
-    assert seen == pytest.approx([1000 * x for x in info["generator_timesteps"]])
+    _, ours, counted = _sample(export, callback_on_step_end=lambda p, i, t, kw: seen.append(float(t)) or kw)
+    assert counted == (2, 2) and seen == pytest.approx([1000 * x for x in info["generator_timesteps"]])
     call = {"num_inference_steps": 2, "guidance_scale": 1.0, **info["stock"]["call"]}
     classes, theirs = stock_sd3(tmp_path, export, info["stock"]["load"], call, PROMPTS[0])
     assert classes == ["StableDiffusion3Pipeline", "FlowMatchLCMScheduler"] and torch.equal(ours, theirs)
@@ -294,12 +301,36 @@ def test_two_cli_steps_of_dmd2_flow_export_a_generator_the_stock_class_reproduce
     export = run_dir / "export"
     info = json.loads((export / "distill.json").read_text())
     assert info["method"] == "dmd2" and info["generator_timesteps"] == [1.0, pytest.approx(0.75)]
-    pipe = DiffusionPipeline.from_pretrained(export)
-    pipe.set_progress_bar_config(disable=True)
-    torch.manual_seed(0)
-    ours = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), output_type="pt").images
+    _, ours, counted = _sample(export)
+    assert counted == (2, 2)
     call = {"num_inference_steps": 2, "guidance_scale": 1.0, **info["stock"]["call"]}
     classes, theirs = stock_sd3(tmp_path, export, info["stock"]["load"], call, PROMPTS[0])
     assert classes == ["StableDiffusion3Pipeline", "FlowMatchLCMScheduler"] and torch.equal(ours, theirs)
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert {k.split(".")[0] for k in state["state_dict"]} == {"student", "critic"}
+
+
+@pytest.mark.slow  # a CLI training run on the Flux stand-in (~1 min on 2 loaded cores); the flux fixture's test is its fast part
+def test_two_cli_steps_of_dmd2_flux_export_a_generator_the_stock_flux_pipeline_reproduces(tmp_path):
+    """+exp=dmd2_flux on the Flux stand-in (FLUX.1-dev's guidance embedding, 24x24 training latents): the export's
+    default call samples 2 steps of 1 row at guidance 3.5 through the embedding, on FluxPipeline's sigmas at the
+    training mu, and the stock FluxPipeline with the card's arguments in a process without distill gives the same
+    images."""
+    from tests.test_consistency_flux import stock_flux, train_flux
+
+    folder = write_tiny_flux(tmp_path / "flux")
+    run_dir, proc = train_flux(tmp_path, "dmd2_flux", folder, *FAST, f"data.resolution={FLUX_RESOLUTION}",
+                               "data.num_workers=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    index = json.loads((run_dir / "export" / "model_index.json").read_text())
+    keys = ("_class_name", "scheduler", "default_num_inference_steps", "default_guidance_scale", "guidance_distilled",
+            "default_sample_size")
+    assert {k: index[k] for k in keys} == dict(zip(keys, ("DistillFluxPipeline", ["diffusers", "FlowMatchLCMScheduler"],
+                                                          2, 3.5, False, FLUX_RESOLUTION)))
+    info = json.loads((run_dir / "export" / "distill.json").read_text())
+    pipe, ours, counted = _sample(run_dir / "export")
+    assert counted == (2, 2) and ours.shape == (1, 1, FLUX_RESOLUTION, FLUX_RESOLUTION)
+    torch.testing.assert_close(pipe.scheduler.sigmas[:-1], torch.tensor(info["generator_timesteps"]))
+    call = {"num_inference_steps": 2, "guidance_scale": 3.5, **info["stock"]["call"]}
+    classes, theirs = stock_flux(tmp_path, run_dir / "export", call, PROMPTS[0])
+    assert classes == ["FluxPipeline", "FlowMatchLCMScheduler"] and torch.equal(ours, theirs["images"])
