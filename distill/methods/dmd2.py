@@ -205,7 +205,7 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
         """The critic on ``score``: its discriminator head at the family's mid block (a UNet's ``mid_block``; else the
         middle of its feature blocks in forward order, a transformer's middle block), sized by a probe forward."""
         blocks = self.family.feature_blocks(score, mid_block=True)
-        module = blocks.get("mid_block") or list(blocks.values())[(len(blocks) - 1) // 2]
+        module = blocks["mid_block"] if "mid_block" in blocks else list(blocks.values())[(len(blocks) - 1) // 2]
         name = next(n for n, m in score.named_modules() if m is module)
         critic = FakeScore(score, name, 1, self.family.block_feature)
         with torch.no_grad():
