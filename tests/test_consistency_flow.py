@@ -46,8 +46,8 @@ def method(sd3_dir):
 
     method = LatentConsistencyDistillation(load_teacher(str(sd3_dir)), copy_student,
                                            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-                                           sampling={"name": "flow_lcm", "num_inference_steps": 4,
-                                                     "guidance_scale": 1.0})
+                                           sampling={"name": "flow_lcm", "num_inference_steps": 1,
+                                                     "guidance_scale": 1.0})  # the scheduler's grid: 1 step only
     with torch.no_grad():  # a target apart from the teacher (and the student), so that its own call shows
         for p in method.target.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -330,3 +330,18 @@ def test_multi_step_flow_lcm_images_depend_on_the_call_seed_alone_and_leave_the_
         inside = torch.rand(2)
     torch.manual_seed(5)
     assert torch.equal(inside, torch.rand(2))
+
+
+def test_the_schedulers_own_spacing_with_several_flow_lcm_steps_is_refused(sd3_dir):
+    """Review finding: with method.sigma_spacing=scheduler FlowMatchLCMScheduler samples 3 or 4 steps between the
+    points of the 50-step grid the student is trained on (0.004-0.007 off); refused at construction, naming the
+    trailing grid that serves them. (2 steps are on the grid, at 1 and the smallest sigma: allowed, if useless.)"""
+    from distill.methods.consistency import LatentConsistencyDistillation
+    from distill.students.copies import copy_student
+
+    for steps in (3, 4):
+        with pytest.raises(ValueError, match=rf"num_inference_steps={steps} at sigmas .* off the "
+                                             r"method.num_ddim_timesteps=50 grid .*set method.sigma_spacing=trailing"):
+            LatentConsistencyDistillation(load_teacher(str(sd3_dir)), copy_student, optimizer=torch.optim.SGD,
+                                          sampling={"name": "flow_lcm", "num_inference_steps": steps,
+                                                    "guidance_scale": 1.0})

@@ -162,7 +162,8 @@ def test_sd3_lora_export_loads_whole_in_the_stock_pipeline(folders, tmp_path):
     torch.manual_seed(0)
     method = LatentConsistencyDistillation(
         load_teacher(str(folders["sd3"])), lambda net: lora_student(net, rank=RANK, alpha=ALPHA), torch.optim.AdamW,
-        ema_decay=0.0, sampling={"name": "flow_lcm", "num_inference_steps": 4, "guidance_scale": 1.0})
+        ema_decay=0.0, sigma_spacing="trailing", num_ddim_timesteps=48,  # +exp=consistency_flow's grid
+        sampling={"name": "flow_lcm", "num_inference_steps": 4, "guidance_scale": 1.0})
     _randomise(method.student, ("lora_B",))
     trained = _adapted(method.student)
     export = method.eval().export(tmp_path / "export")

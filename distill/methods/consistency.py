@@ -119,7 +119,18 @@ class LatentConsistencyDistillation(TeacherStudentDistillation):
         or at mu of the training latents (Flux, ``bind_resolution``), where the student's sampling sigmas must lie
         too (their steps a divisor of N) for it to be sampled where it was trained."""
         if not self.schedule.use_dynamic_shifting and self.sigma_spacing == "scheduler":
-            return self.schedule.inference_sigmas(num_ddim_timesteps)[0]
+            grid = self.schedule.inference_sigmas(num_ddim_timesteps)[0]
+            steps = self.sampling["num_inference_steps"]
+            if steps > 1 and self.sampling.get("name") == "flow_lcm":
+                sampled = self.schedule.inference_sigmas(steps)[0][:-1]
+                if not bool(torch.isin(sampled, grid).all()):  # FlowMatchLCMScheduler samples its own N sigmas
+                    raise ValueError(
+                        f"method.sigma_spacing=scheduler: FlowMatchLCMScheduler samples scheduler.num_inference_steps="
+                        f"{steps} at sigmas {[round(x, 4) for x in sampled.tolist()]}, off the method.num_ddim_timesteps="
+                        f"{num_ddim_timesteps} grid the student is trained on (its last step re-noises to the "
+                        "scheduler's smallest sigma: 2 steps sample as 1); set method.sigma_spacing=trailing "
+                        "method.num_ddim_timesteps=48 (as +exp=consistency_flow does)")
+            return grid
         sigmas = self.trailing_flow_sigmas(num_ddim_timesteps)
         where = "" if self.mu is None else f" (at mu={self.mu:.4f})"
         self._check_on_grid(sigmas, self.trailing_flow_sigmas(self.sampling["num_inference_steps"]),
