@@ -269,7 +269,7 @@ def test_the_export_samples_on_the_generator_times_and_the_stock_class_alike(sd3
 
 def test_what_cannot_work_on_a_flow_teacher_is_refused(sd3_dir, compose):
     """At the config (exit 2 on the command line): DMD2's VP preset on the flow teacher, the flow preset on a VP
-    teacher, the regression loss on a flow teacher; at construction a VP scheduler and the regression loss."""
+    teacher, the regression loss on a flow teacher, the VP preset's quality-cost rows; at construction a VP scheduler and the regression loss."""
     from distill.config.validate import ConfigError, validate
 
     flow = f"teacher.pretrained_model_name_or_path={sd3_dir}"
@@ -278,7 +278,10 @@ def test_what_cannot_work_on_a_flow_teacher_is_refused(sd3_dir, compose):
                                (["+exp=dmd2_flow", "teacher=digits"], r"scheduler.name='flow_lcm' on the discrete VP "
                                                                       r"teacher .*use \+exp=dmd2 "),
                                (["+exp=dmd2_flow", flow, "method.regression_weight=1"],
-                                "method.regression_weight=1.0 on a flow-matching teacher")):
+                                "method.regression_weight=1.0 on a flow-matching teacher"),
+                               # the method's scheduler right, the quality-cost sweep's VP rows of +exp=dmd2 left
+                               (["+exp=dmd2", flow, "scheduler=flow_lcm"],
+                                r"callbacks.quality_cost.schedulers: 'lcm' steps a discrete VP")):
         with pytest.raises(ConfigError, match=message):
             validate(compose(*overrides))
     with pytest.raises(ValueError, match="scheduler.name: 'lcm' steps a discrete VP"):

@@ -130,6 +130,30 @@ def _check_teacher(cfg: DictConfig) -> None:
         )
 
 
+def _check_quality_cost_schedulers(cfg: DictConfig) -> None:
+    """The quality-cost callback's student and teacher schedulers are of a local teacher's kind (flow matching or
+    discrete VP, ``check_scheduler_kind``): a sweep of the other kind would fail at the first evaluation, after
+    training had run (e.g. ``+exp=dmd2 scheduler=flow_lcm`` on a flow teacher keeps dmd2's VP rows). Checked after
+    the method's own check, whose message names the method's flow preset."""
+    from pathlib import Path
+
+    from distill.inference.schedulers import check_scheduler_kind
+    from distill.models.teacher import pipeline_configs
+
+    callback = (cfg.get("callbacks") or {}).get("quality_cost")
+    source = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
+    if callback is None or source is None or not Path(str(source)).exists():
+        return
+    scheduler_config = pipeline_configs(Path(str(source)))["scheduler"]
+    for key in ("schedulers", "teacher_schedulers"):
+        for name in callback.get(key) or ():
+            try:
+                check_scheduler_kind(str(getattr(name, "value", name)), scheduler_config,
+                                     key=f"callbacks.quality_cost.{key}")
+            except ValueError as err:
+                raise ConfigError(str(err)) from err
+
+
 def _part(node, key: str):
     """The class or function that ``node._target_`` names (None without one)."""
     from hydra.utils import get_object
@@ -341,6 +365,7 @@ def validate(cfg: DictConfig) -> None:
                           "samples or tokens are routed to, while FSDP needs every rank to gather and reduce every "
                           "block in the same order; use trainer=ddp for a mixture of experts")
     _check_parts(cfg)
+    _check_quality_cost_schedulers(cfg)
     for group in ("callbacks", "logger"):
         for name, node in (cfg.get(group) or {}).items():
             if node is not None and "_target_" not in node:
