@@ -15,6 +15,7 @@ from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
 from diffusers.schedulers.scheduling_utils import KarrasDiffusionSchedulers
 from omegaconf import OmegaConf
 
+import distill.inference.trigflow_schedulers  # noqa: F401  (registers distill's schedulers in diffusers' namespace)
 from distill.diffusion import add_noise, alpha_sigma, ddim_step, to_x0_eps
 from distill.models.teacher import is_flow_matching
 
@@ -30,6 +31,8 @@ SCHEDULERS: dict[str, str] = {
     "cm": "CMStochasticIterativeScheduler",  # consistency models in EDM's parametrisation (iCT exports)
     "flow_euler": "FlowMatchEulerDiscreteScheduler",  # flow matching (SD3, Flux): Euler on the shifted sigmas
     "flow_lcm": "FlowMatchLCMScheduler",  # a flow consistency student: predict x0, re-noise to the next sigma
+    "trigflow": "TrigFlowScheduler",  # sCM students of a VP teacher (distill.inference.trigflow_schedulers)
+    "flow_trigflow": "FlowMatchTrigFlowScheduler",  # sCM students of a flow teacher
 }
 FLOW_SCHEDULERS = tuple(name for name, cls in SCHEDULERS.items() if cls.startswith("FlowMatch"))
 
