@@ -208,6 +208,67 @@ def test_each_role_loss_reaches_only_its_own_network(tiny_sd):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in method.student.parameters())
 
 
+def test_a_lora_fake_score_is_adapters_on_the_teachers_own_network(tiny_sd):
+    """method.fake_score=lora: the critic's score is the teacher's network (no second copy) with peft adapters that
+    start at B = 0 (fake x0 = the teacher's unguided x0 exactly); with the adapters moved the fake score moves while
+    the real score stays the teacher loaded from disk, bit for bit; only the adapters and the head train, and the
+    critic's loss reaches only them; the checkpoint keeps the adapters and head, not the teacher's base weights,
+    and restores the fake score exactly."""
+    from diffusers import UNet2DConditionModel
+
+    method = make_method(tiny_sd, fake_score="lora", fake_score_rank=4)
+    assert method.critic.score is method.teacher_unet and method.fake_score_is_lora
+    trained = {n for n, p in method.critic.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A.fake_score." in n or ".lora_B.fake_score." in n or n.startswith("head.")
+                           for n in trained)
+    assert any(n.startswith("head.") for n in trained)
+    assert method.teacher_unet not in method.frozen_networks()[1:]  # not listed twice
+
+    g = torch.Generator().manual_seed(0)
+    x_t, t = torch.randn(3, 4, 8, 8, generator=g), torch.tensor([900, 500, 100])
+    cond, _ = method.text_conditions(BATCH, 3, x_t.device)
+    teacher_x0 = lambda: method.schedule.to_x0_eps(method.teacher_forward(x_t, t, cond), x_t, t)[0]  # noqa: E731
+    torch.testing.assert_close(method.fake_x0(x_t, t, cond), teacher_x0(), rtol=0, atol=0)
+
+    plain = UNet2DConditionModel.from_pretrained(tiny_sd, subfolder="unet").eval()
+    with torch.no_grad():
+        disk = plain(x_t, t, encoder_hidden_states=cond["encoder_hidden_states"]).sample
+        for name, p in method.critic.score.named_parameters():
+            if ".lora_B.fake_score." in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    moved = method.fake_x0(x_t, t, cond)
+    assert (moved - teacher_x0()).abs().max() > 1e-3
+    torch.testing.assert_close(method.teacher_forward(x_t, t, cond), disk, rtol=0, atol=0)
+
+    method.critic_loss(BATCH, torch.Generator().manual_seed(1)).backward()
+    got = {n for n, p in method.critic.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert got and got <= trained
+    assert all(p.grad is None for p in method.student.parameters())
+
+    checkpoint = {"state_dict": method.state_dict()}
+    method.on_save_checkpoint(checkpoint)
+    critic_keys = [k for k in checkpoint["state_dict"] if k.startswith("critic.")]
+    assert critic_keys and all("lora_" in k or k.startswith("critic.head.") for k in critic_keys)
+    assert not any(k.startswith("teacher_unet.") for k in checkpoint["state_dict"])
+    fresh = make_method(tiny_sd, fake_score="lora", fake_score_rank=4)
+    fresh.load_state_dict(checkpoint["state_dict"], strict=False)
+    torch.testing.assert_close(fresh.fake_x0(x_t, t, cond), moved, rtol=0, atol=0)
+    torch.testing.assert_close(fresh.teacher_forward(x_t, t, cond), disk, rtol=0, atol=0)
+
+
+def test_a_lora_fake_score_beside_a_lora_student_is_refused(tiny_sd):
+    import functools
+
+    from distill.families import load_teacher
+    from distill.methods.dmd2 import DistributionMatchingDistillation
+    from distill.students.copies import lora_student
+
+    adam = lambda params: torch.optim.Adam(params, lr=1e-4)  # noqa: E731
+    with pytest.raises(ValueError, match="method.fake_score=lora with student=lora"):
+        DistributionMatchingDistillation(load_teacher(str(tiny_sd)), functools.partial(lora_student, rank=4),
+                                         optimizer=adam, critic_optimizer=adam, fake_score="lora")
+
+
 # ---------------------------------------------------------------- the command line
 
 SAMPLE = r"""
@@ -256,6 +317,8 @@ def test_two_cli_steps_export_a_generator_that_samples_on_its_own_timesteps(tmp_
     (["method.real_guidance_scale=0.5"], "method.real_guidance_scale=0.5 must be >= 1"),
     (["method.dmd_time_min=0.9", "method.dmd_time_max=0.5"], "0 <= min < max <= 1"),
     (["method.gan_critic_weight=-1"], "method.gan_critic_weight=-1.0 must be >= 0"),
+    (["method.fake_score=full"], "method.fake_score='full': use copy"),
+    (["method.fake_score=lora", "method.fake_score_rank=0"], "method.fake_score_rank=0 must be an integer >= 1"),
 ])
 def test_bad_options_are_refused_by_the_config_check(compose, overrides, needle):
     from distill.config.validate import ConfigError, validate

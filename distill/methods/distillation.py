@@ -170,16 +170,12 @@ class TeacherStudentDistillation(DistillMethod):
 
     @torch.no_grad()
     def teacher_forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
-        """The teacher's output at (x, t) under ``cond``, in float32; a LoRA student's adapters are off meanwhile."""
-        lora = self.teacher_unet is self.student
-        if lora:
-            self.student.disable_adapters()
-        try:
-            with self.frozen_autocast(self.teacher_is_original):
-                return self.family.denoise(self.teacher_unet, x, t, cond, **extra).float()
-        finally:
-            if lora:
-                self.student.enable_adapters()
+        """The teacher's output at (x, t) under ``cond``, in float32; adapters on the teacher's network (a LoRA
+        student's, a LoRA fake score's) are off meanwhile."""
+        from distill.students.copies import adapters_disabled
+
+        with adapters_disabled(self.teacher_unet), self.frozen_autocast(self.teacher_is_original):
+            return self.family.denoise(self.teacher_unet, x, t, cond, **extra).float()
 
     def teacher_cond_uncond(self, x: torch.Tensor, t: torch.Tensor, cond: dict,
                             uncond: dict) -> tuple[torch.Tensor, torch.Tensor]:

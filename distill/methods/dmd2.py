@@ -29,6 +29,7 @@ from distill.models.teacher import Teacher
 # The LCMScheduler's boundary scalings at the generator's timesteps (t >= T / N - 1 > 0): c_skip = sigma_data^2 /
 # ((t s)^2 + sigma_data^2) with s = 1e4 is below 1e-13 and c_out rounds to 1 in float32, so its x0 is the generator's
 BOUNDARY_FREE_TIMESTEP_SCALING = 1.0e4
+FAKE_SCORE_ADAPTER = "fake_score"  # the peft adapter name of a LoRA fake score (method.fake_score=lora)
 
 
 class DiscriminatorHead(nn.Module):
@@ -163,13 +164,20 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
         # the training images' side in pixels (conf/method/dmd2.yaml: data.resolution); read only where the teacher's
         # scheduler shifts by resolution (Flux), whose generator times are built at its mu
         resolution: int | None = None,
+        # the fake score: "copy", a trainable full copy of the teacher (DMD2); "lora", peft LoRA adapters of rank
+        # fake_score_rank (alpha: fake_score_alpha, default the rank) on the frozen teacher's own network, the real
+        # score being that network with the adapters off: no second full copy of the teacher in memory
+        fake_score: str = "copy",
+        fake_score_rank: int = 64,
+        fake_score_alpha: float | None = None,
         cache_prompts: bool = True,
         sampling: dict | None = None,
         **speed,  # DistillMethod's training-speed switches (compile, frozen_dtype, ...)
     ):
         check_options(real_guidance_scale, critic_updates, dmd_time_min, dmd_time_max, gan_generator_weight,
-                      gan_critic_weight, regression_weight, regression_steps)
-        fake_score = copy.deepcopy(teacher.denoiser).requires_grad_(True)  # before a LoRA student adapts it in place
+                      gan_critic_weight, regression_weight, regression_steps, fake_score, fake_score_rank)
+        # a full copy is taken before a LoRA student adapts the teacher's network in place
+        fake_copy = copy.deepcopy(teacher.denoiser).requires_grad_(True) if fake_score == "copy" else None
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=real_guidance_scale,
                          guidance_scale_max=real_guidance_scale, cache_prompts=cache_prompts, **speed)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "critic_optimizer", "lr_scheduler",
@@ -188,7 +196,9 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
 
         check_scheduler_kind(self.sampling["name"], self.noise_scheduler_config, key="scheduler.name")
         self.bind_resolution(resolution)  # under a resolution shift (Flux): the generator's times at the training mu
-        self.critic = self._fake_score(fake_score.train())
+        self.fake_score_kind = fake_score
+        self.critic = self._fake_score(fake_copy.train() if fake_copy is not None
+                                       else self._lora_fake_score(fake_score_rank, fake_score_alpha))
         self.add_role("critic", critic_optimizer, critic_lr_scheduler, updates_per_step=critic_updates)
         self.real_guidance_scale, self.critic_updates = real_guidance_scale, critic_updates
         self.dmd_time_min, self.dmd_time_max = dmd_time_min, dmd_time_max
@@ -215,8 +225,32 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
         critic.head = discriminator_head(feature, feature.shape[self.family.feature_width_dim])
         return critic
 
+    def _lora_fake_score(self, rank: int, alpha: float | None) -> nn.Module:
+        """The teacher's own network with LoRA adapters ``fake_score`` (peft, on the family's LoRA target modules,
+        B = 0: at initialisation the fake score is the teacher, as DMD2's copy is); the real score runs it with the
+        adapters off (``teacher_forward``). The base weights stay frozen; only the adapters (and the head) train."""
+        from distill.students.copies import add_lora_adapter
+
+        if self.is_lora:
+            raise ValueError("method.fake_score=lora with student=lora: both would be adapters on the teacher's one "
+                             "network; use student=copy with a LoRA fake score, or method.fake_score=copy")
+        return add_lora_adapter(self.teacher_unet, rank, alpha, adapter_name=FAKE_SCORE_ADAPTER)
+
+    @property
+    def fake_score_is_lora(self) -> bool:
+        return self.critic.score is self.teacher_unet
+
     def frozen_networks(self) -> list[nn.Module]:  # the fake score runs every step too: compiled as the student is
-        return super().frozen_networks() + [self.critic.score]
+        return super().frozen_networks() + ([] if self.fake_score_is_lora else [self.critic.score])
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """A LoRA fake score is stored as its adapters and head: the teacher's base weights under ``critic.score``
+        are the reloaded teacher's (as ``teacher_unet.`` keys are left out)."""
+        super().on_save_checkpoint(checkpoint)
+        if self.fake_score_is_lora:
+            state = checkpoint["state_dict"]
+            for key in [k for k in state if k.startswith("critic.score.") and "lora_" not in k]:
+                del state[key]
 
     # ------------------------------------------------------------------ guidance inputs (FLUX.1-dev's embedding)
 
@@ -435,7 +469,7 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
         ``method.resolution`` the data's, no regression loss on a flow teacher."""
         m = cfg.method
         check_options(m.real_guidance_scale, m.critic_updates, m.dmd_time_min, m.dmd_time_max, m.gan_generator_weight,
-                      m.gan_critic_weight, m.regression_weight, m.regression_steps)
+                      m.gan_critic_weight, m.regression_weight, m.regression_steps, m.fake_score, m.fake_score_rank)
         name = str(getattr(cfg.scheduler.name, "value", cfg.scheduler.name))
         if name not in ("lcm", "flow_lcm"):
             raise ValueError(f"scheduler.name={name!r}: a DMD2 generator samples on its own timesteps "
@@ -470,8 +504,14 @@ def _flow_teacher(cfg) -> bool | None:
 
 def check_options(real_guidance_scale: float, critic_updates: int, dmd_time_min: float, dmd_time_max: float,
                   gan_generator_weight: float, gan_critic_weight: float, regression_weight: float,
-                  regression_steps: int) -> None:
+                  regression_steps: int, fake_score: str = "copy", fake_score_rank: int = 64) -> None:
     """DMD2's options, each refused with the key and the fix."""
+    if fake_score not in ("copy", "lora"):
+        raise ValueError(f"method.fake_score={fake_score!r}: use copy (a full trainable copy of the teacher, DMD2's) "
+                         "or lora (adapters on the frozen teacher)")
+    if isinstance(fake_score_rank, bool) or not isinstance(fake_score_rank, int) or fake_score_rank < 1:
+        raise ValueError(f"method.fake_score_rank={fake_score_rank!r} must be an integer >= 1 (the LoRA fake score's "
+                         "rank)")
     if real_guidance_scale < 1.0:
         raise ValueError(f"method.real_guidance_scale={real_guidance_scale} must be >= 1 (1 = the unguided teacher)")
     if isinstance(critic_updates, bool) or not isinstance(critic_updates, int) or critic_updates < 1:

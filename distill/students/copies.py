@@ -5,6 +5,9 @@ class distill exports."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
@@ -118,6 +121,22 @@ def lora_target_modules(network: nn.Module) -> tuple[str, ...]:
                      f"{sorted(LORA_TARGET_MODULES)}); name its linear layers in student.target_modules=[...]")
 
 
+def add_lora_adapter(network: nn.Module, rank: int, alpha: float | None = None,
+                     target_modules: tuple[str, ...] | None = None, adapter_name: str = "default",
+                     init_lora_weights: bool | str = True) -> nn.Module:
+    """peft LoRA adapters ``adapter_name`` of ``rank`` (alpha default the rank) on ``network`` in place, on
+    ``target_modules`` (default the class's ``LORA_TARGET_MODULES``; a name without a dot that the network lacks is
+    skipped); B = 0, so the adapted network starts as ``network``."""
+    from peft import LoraConfig
+
+    present = {name.split(".")[-1] for name, _ in network.named_modules()}
+    wanted = lora_target_modules(network) if target_modules is None else target_modules
+    targets = [t for t in wanted if t.split(".")[-1] in present or "." in t]
+    network.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights=init_lora_weights,
+                                   target_modules=targets), adapter_name=adapter_name)
+    return network
+
+
 @STUDENTS.register("lora")
 def lora_student(teacher_unet: nn.Module, rank: int = 8, alpha: float | None = None,
                  target_modules: tuple[str, ...] | None = None, gradient_checkpointing: bool = False,
@@ -127,7 +146,6 @@ def lora_student(teacher_unet: nn.Module, rank: int = 8, alpha: float | None = N
     default the network class's (``LORA_TARGET_MODULES``); a name without a dot that the network lacks is skipped.
     ``time_cond_proj_dim`` is the teacher's own (an experiment may set it to null for every student); a
     guidance-scale input cannot be added to the teacher."""
-    from peft import LoraConfig
 
     have = teacher_unet.config.get("time_cond_proj_dim")
     if time_cond_proj_dim is not None and time_cond_proj_dim != have:
@@ -136,11 +154,28 @@ def lora_student(teacher_unet: nn.Module, rank: int = 8, alpha: float | None = N
                          "student.time_cond_proj_dim=null or use student=copy")
 
     teacher_unet.requires_grad_(False)
-    present = {name.split(".")[-1] for name, _ in teacher_unet.named_modules()}
-    wanted = lora_target_modules(teacher_unet) if target_modules is None else target_modules
-    targets = [t for t in wanted if t.split(".")[-1] in present or "." in t]
-    teacher_unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, init_lora_weights="gaussian",
-                                        target_modules=targets))
+    add_lora_adapter(teacher_unet, rank, alpha, target_modules, init_lora_weights="gaussian")
     if gradient_checkpointing:
         teacher_unet.enable_gradient_checkpointing()
     return teacher_unet
+
+
+@contextmanager
+def adapters_disabled(network: nn.Module) -> Iterator[None]:
+    """``network`` without its peft adapters meanwhile (the teacher under a LoRA student or a LoRA fake score),
+    their gradient flags left alone. peft's ``disable_adapters``/``enable_adapters`` also set the adapters'
+    ``requires_grad`` (False, then True for the active adapter): flipped between a forward pass and its backward, or
+    against the role toggling of a multi-role method, that would drop or add gradients. Here only each tuner
+    layer's own switch (``_disable_adapters``, what its forward reads) is set, and restored after. A network without
+    adapters is unchanged."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in network.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, state in zip(layers, before, strict=True):
+            m._disable_adapters = state
