@@ -192,7 +192,8 @@ class StableDiffusion3Family(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     # the others step the discrete VP schedule at integer timesteps
-    methods = ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2", "scm")
+    methods = ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2", "scm",
+               "meanflow")
     flow_matching = True
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 

@@ -1,0 +1,98 @@
+"""The MeanFlow export: ``FlowMatchMeanFlowScheduler`` (the times t_0 = 1 > ... > t_N = 0 and the step z_r = z_t -
+(t - r) u) and ``DistillMeanFlowSD3Pipeline``, whose loop passes the denoiser both times, ``timestep`` = 1000 t and
+``interval`` = 1000 (t - r) (a stock pipeline passes one timestep): one transformer call per step."""
+
+from __future__ import annotations
+
+import diffusers
+import torch
+from diffusers import ConfigMixin, SchedulerMixin
+from diffusers.configuration_utils import register_to_config
+from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusion3PipelineOutput
+from diffusers.schedulers.scheduling_lcm import LCMSchedulerOutput
+
+import distill.models.meanflow  # noqa: F401  (the denoiser's library, imported for from_pretrained)
+from distill.diffusion.meanflow import meanflow_step
+from distill.families.sd3 import DistillSD3Pipeline
+
+
+class FlowMatchMeanFlowScheduler(SchedulerMixin, ConfigMixin):
+    """MeanFlow's few-step sampler (Geng et al. 2025, Algorithm 2): N uniform steps t_i = 1 - i / N, each z_{t_{i+1}} =
+    z_{t_i} - (t_i - t_{i+1}) u(z_{t_i}, t_{i+1}, t_i). ``timesteps``: 1000 t_i; ``intervals``: 1000 (t_i - t_{i+1})."""
+
+    _compatibles = ["FlowMatchEulerDiscreteScheduler", "FlowMatchLCMScheduler"]
+    order = 1
+
+    @register_to_config
+    def __init__(self, num_train_timesteps: int = 1000, shift: float = 1.0):
+        self.init_noise_sigma = 1.0
+        self.times = self.timesteps = self.intervals = None
+        self._step_index = 0
+
+    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None, **kwargs) -> None:
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps={num_inference_steps} must be >= 1")
+        self.times = torch.linspace(1, 0, num_inference_steps + 1, dtype=torch.float64)
+        T = self.config.num_train_timesteps
+        self.timesteps = (T * self.times[:-1]).float().to(device)
+        self.intervals = (T * (self.times[:-1] - self.times[1:])).float().to(device)
+        self._step_index = 0
+
+    def scale_model_input(self, sample: torch.Tensor, timestep=None) -> torch.Tensor:
+        return sample
+
+    def step(self, model_output: torch.Tensor, timestep, sample: torch.Tensor, return_dict: bool = True, **kwargs):
+        """z_r = z_t - (t - r) u with u = ``model_output`` at this step's (r, t); ``denoised``: z_0 in one jump."""
+        i = self._step_index
+        t, r = float(self.times[i]), float(self.times[i + 1])
+        self._step_index += 1
+        prev = meanflow_step(sample, model_output, r, t)
+        if not return_dict:
+            return (prev,)
+        return LCMSchedulerOutput(prev_sample=prev, denoised=meanflow_step(sample, model_output, 0.0, t))
+
+    def __len__(self) -> int:
+        return self.config.num_train_timesteps
+
+
+class DistillMeanFlowSD3Pipeline(DistillSD3Pipeline):
+    """A ``DistillSD3Pipeline`` whose denoiser is a MeanFlow network (``MeanFlowSD3Transformer2DModel``): each step calls
+    it once at (timestep 1000 t, interval 1000 (t - r)) and jumps z_r = z_t - (t - r) u. No CFG pass: the guidance is
+    distilled in (``guidance_distilled``)."""
+
+    @torch.no_grad()
+    def __call__(self, prompt=None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
+                 height: int | None = None, width: int | None = None, num_images_per_prompt: int = 1,
+                 generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
+                 prompt_embeds: torch.Tensor | None = None, pooled_prompt_embeds: torch.Tensor | None = None,
+                 output_type: str = "pil", return_dict: bool = True, max_sequence_length: int | None = None,
+                 callback_on_step_end=None, **kwargs):
+        steps = num_inference_steps or self.config.default_num_inference_steps
+        height = height or self.default_sample_size * self.vae_scale_factor
+        width = width or self.default_sample_size * self.vae_scale_factor
+        device = self._execution_device
+        prompt_embeds, _, pooled, _ = self.encode_prompt(
+            prompt=prompt, prompt_2=None, prompt_3=None, device=device, num_images_per_prompt=num_images_per_prompt,
+            do_classifier_free_guidance=False, prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
+            max_sequence_length=max_sequence_length or self.config.default_max_sequence_length)
+        z = self.prepare_latents(len(prompt_embeds), self.transformer.config.in_channels, height, width,
+                                 prompt_embeds.dtype, device, generator, latents)
+        self.scheduler.set_timesteps(steps, device=device)
+        for i, (timestep, interval) in enumerate(zip(self.scheduler.timesteps, self.scheduler.intervals)):
+            u = self.transformer(hidden_states=z, timestep=timestep.expand(len(z)), interval=interval.expand(len(z)),
+                                 encoder_hidden_states=prompt_embeds, pooled_projections=pooled,
+                                 return_dict=False)[0]
+            z = self.scheduler.step(u, timestep, z, return_dict=False)[0]
+            if callback_on_step_end is not None:
+                z = callback_on_step_end(self, i, timestep, {"latents": z}).pop("latents", z)
+        if output_type == "latent":
+            image = z
+        else:
+            z = z / self.vae.config.scaling_factor + self.vae.config.shift_factor
+            image = self.image_processor.postprocess(self.vae.decode(z, return_dict=False)[0], output_type=output_type)
+        self.maybe_free_model_hooks()
+        return StableDiffusion3PipelineOutput(images=image) if return_dict else (image,)
+
+
+for _cls in (FlowMatchMeanFlowScheduler, DistillMeanFlowSD3Pipeline):
+    setattr(diffusers, _cls.__name__, _cls)  # make_scheduler and from_pretrained resolve the class there
