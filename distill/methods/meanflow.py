@@ -154,3 +154,17 @@ class MeanFlowDistillation(TeacherStudentDistillation):
         return {**super().export_info(), "teacher_free": self.teacher_free, "jvp": self.jvp,
                 "denoiser": "u(z, r, t): timestep 1000 t, interval 1000 (t - r) (a second time embedding added to the "
                             "first)", "step": "z_r = z_t - (t - r) u, t_i = 1 - i / N"}
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Before any model is built: the MeanFlow sampler, and a local teacher that is flow matching."""
+        from distill.methods.dmd2 import _flow_teacher
+
+        name = str(getattr(cfg.scheduler.name, "value", cfg.scheduler.name))
+        if name != "flow_meanflow":
+            raise ValueError(f"scheduler.name={name!r}: a MeanFlow student samples with its average velocity; use "
+                             "scheduler=flow_meanflow (+exp=meanflow sets it)")
+        if _flow_teacher(cfg) is False:
+            raise ValueError(f"method=meanflow on the discrete VP teacher {str(cfg.teacher.pretrained_model_name_or_path)!r}: "
+                             "MeanFlow learns the average velocity of a flow path; use a flow-matching teacher "
+                             "(+exp=meanflow teacher=digits_flow, or an SD3 pipeline)")

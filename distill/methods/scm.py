@@ -230,6 +230,30 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
                 "consistency_function": "f(x_t, t) = cos(t) x_t - sin(t) sigma_d F, F from the network's (x0, eps) "
                                         "in the teacher's parametrisation"}
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        _check_scm_config(cfg)
+
+
+def _check_scm_config(cfg) -> None:
+    """Before any model is built: the options, the sampler of the teacher's kind (a local teacher's scheduler config)
+    and a step count the intermediate times give."""
+    from distill.methods.dmd2 import _flow_teacher
+
+    m = cfg.method
+    check_options(m.sigma_data, m.p_std, m.guidance_scale, m.tangent_normalization, m.tangent_warmup_steps,
+                  str(m.jvp), m.finite_difference_step, m.intermediate_times)
+    name = str(getattr(cfg.scheduler.name, "value", cfg.scheduler.name))
+    flow = _flow_teacher(cfg)
+    if name not in ("trigflow", "flow_trigflow") or (flow is not None and flow != (name == "flow_trigflow")):
+        fix = "scheduler=flow_trigflow (+exp=scm_flow)" if flow else "scheduler=trigflow (+exp=scm)"
+        raise ValueError(f"scheduler.name={name!r}: an sCM student samples with its consistency function at TrigFlow "
+                         f"times; use {fix if flow is not None else 'scheduler=trigflow or flow_trigflow'}")
+    steps = 1 + len(m.intermediate_times or SCM_INTERMEDIATE_TIMES)
+    if not 1 <= cfg.scheduler.num_inference_steps <= steps:
+        raise ValueError(f"scheduler.num_inference_steps={cfg.scheduler.num_inference_steps}: an sCM student samples "
+                         f"1 step or up to {steps} with method.intermediate_times; give more intermediate times")
+
 
 def check_options(sigma_data: float, p_std: float, guidance_scale: float, tangent_normalization: float,
                   tangent_warmup_steps: int, jvp: str, finite_difference_step: float,
