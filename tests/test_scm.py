@@ -337,3 +337,71 @@ def test_a_stopped_run_resumed_is_bit_identical_with_its_weighting_network(tmp_p
     assert ema
     for key in ema:
         _assert_same_state(a["callbacks"][key], b["callbacks"][key], key)
+
+
+# ---------------------------------------------------------------- rCM: sCD + DMD2's distribution matching
+
+
+def _rcm(folder, **options):
+    from distill.methods.rcm import ScoreRegularizedConsistencyDistillation
+    from distill.students.copies import copy_student
+
+    adam = lambda params: torch.optim.Adam(params, lr=1e-4)  # noqa: E731
+    return ScoreRegularizedConsistencyDistillation(load_teacher(str(folder)), copy_student, adam, adam, **options)
+
+
+def test_rcm_reuses_dmd2s_critic_and_its_dmd_term_vanishes_where_the_scores_agree(sd_dir):
+    """rCM's fake score, real/fake x0, time draw and critic loss are DMD2's functions themselves; with the fake score a
+    copy of the teacher and guidance 1 the DMD loss is 0 (real x0 = fake x0; below 1e-10), at guidance 3 it is not; the
+    student loss is sCM's plus dmd_weight times it, and with dmd_weight 0 it is sCM's, draw for draw."""
+    from distill.methods.dmd2 import DistributionMatchingDistillation as DMD2
+    from distill.methods.rcm import ScoreRegularizedConsistencyDistillation as RCM
+
+    for name in ("_fake_score", "real_x0", "fake_x0", "draw_times", "critic_loss"):
+        assert getattr(RCM, name) is getattr(DMD2, name)
+    method = _rcm(sd_dir, guidance_scale=1.0, dmd_weight=0.5)
+    assert list(method.roles) == ["student", "critic"] and not method.automatic_optimization
+    cond, uncond = method.text_conditions({"caption": PROMPTS}, 2, "cpu")
+    x_real = method.latents(_batch(), torch.Generator().manual_seed(0))
+    # 0 up to the summation order of a 2-row (cond, uncond) teacher batch against the fake score's 1-row batch
+    assert method.dmd_term(x_real, cond, uncond, torch.Generator().manual_seed(1)) < 1e-10
+    loss = method.loss(_batch(), torch.Generator().manual_seed(2))
+    assert set(method._parts) == {"scm_loss", "dmd_loss"} and float(method._parts["dmd_loss"]) < 1e-10
+    method.guidance_scale = method.real_guidance_scale = 3.0
+    assert method.dmd_term(x_real, cond, uncond, torch.Generator().manual_seed(1)) > 1e-4
+    loss = method.loss(_batch(), torch.Generator().manual_seed(2))
+    torch.testing.assert_close(loss, method._parts["scm_loss"] + method._parts["dmd_loss"])
+    scm = _method(sd_dir, guidance_scale=3.0)
+    scm.student.load_state_dict(method.student.state_dict())
+    method.dmd_weight = 0.0
+    torch.testing.assert_close(method.loss(_batch(), torch.Generator().manual_seed(2)),
+                               scm.loss(_batch(), torch.Generator().manual_seed(2)), rtol=0, atol=0)
+    critic = method.critic_loss(_batch(), torch.Generator().manual_seed(3))
+    assert torch.isfinite(critic) and critic > 0
+
+
+def test_rcms_one_step_sample_is_the_exports_one_step_sample(sd_dir):
+    """The student's sample at step 0 of its own sampler (what the DMD term scores) is f(z / c(t_max), t_max), the
+    latent that the 1-step export's TrigFlowScheduler gives from the same initial noise z."""
+    method = _rcm(sd_dir).eval()
+    cond, _ = method.text_conditions({"caption": PROMPTS[:1]}, 1, "cpu")
+    x_real = torch.zeros(1, 4, 8, 8)
+    with torch.no_grad():
+        x = method.generator_sample(x_real, cond, torch.Generator().manual_seed(4), step=0)
+    z = torch.randn(x_real.shape, generator=torch.Generator().manual_seed(4))
+    method.sampling["num_inference_steps"] = 1
+    pipe = method.pipeline()
+    out = pipe(prompt_embeds=cond["encoder_hidden_states"], latents=z.clone(), output_type="latent").images
+    torch.testing.assert_close(out, x, rtol=1e-5, atol=1e-5)
+
+
+def test_two_cli_steps_of_rcm_train_the_critic_and_export(tmp_path):
+    """+exp=rcm on the embedded UNet teacher: two student steps with one critic update each; the checkpoint holds the
+    student, the weighting network and the critic (DMD2's fake score) and the role counts; the export samples."""
+    run_dir = tmp_path / "run"
+    proc = run_train("+exp=rcm", *FAST, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = safe_load(run_dir / "checkpoints" / "last.ckpt")
+    assert {k.split(".")[0] for k in state["state_dict"]} == {"student", "weighting", "critic"}
+    assert state["role_updates"] == {"student": 2, "critic": 2} and len(state["optimizer_states"]) == 2
+    assert json.loads((run_dir / "export" / "distill.json").read_text())["method"] == "rcm"

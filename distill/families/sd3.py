@@ -193,7 +193,7 @@ class StableDiffusion3Family(ModelFamily):
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     # the others step the discrete VP schedule at integer timesteps
     methods = ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2", "scm",
-               "meanflow")
+               "meanflow", "rcm")
     flow_matching = True
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
 

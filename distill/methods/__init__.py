@@ -14,4 +14,5 @@ from distill.utils.registry import Registry
 METHODS = Registry("method", modules=(
     "distill.methods.diffusion", "distill.methods.consistency", "distill.methods.consistency_training",
     "distill.methods.progressive", "distill.methods.feature_distillation", "distill.methods.flow_matching",
-    "distill.methods.dmd2", "distill.methods.scm", "distill.methods.meanflow"))
+    "distill.methods.dmd2", "distill.methods.scm", "distill.methods.meanflow",
+    "distill.methods.rcm"))

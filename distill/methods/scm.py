@@ -85,7 +85,9 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
             raise ValueError(f"{self.teacher_source!r} takes its guidance through an embedding (FLUX.1-dev); "
                              f"method={self.method_name} serves teachers with classifier-free guidance")
         self.flow = isinstance(self.schedule, FlowMatchingSchedule)
-        self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
+        # rCM's critic partials too (Lightning collects the subclass's arguments as well)
+        self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler", "critic_optimizer",
+                                          "critic_lr_scheduler"])
         self.sigma_data, self.p_mean, self.p_std = sigma_data, p_mean, p_std
         self.guidance_scale, self.teacher_free = guidance_scale, teacher_free
         self.tangent_normalization, self.tangent_warmup_steps = tangent_normalization, tangent_warmup_steps
@@ -159,7 +161,7 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
 
     # ------------------------------------------------------------------ objective
 
-    def draw_times(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    def draw_trigflow_times(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """(n,) TrigFlow times t = arctan(sigma / sigma_d), sigma lognormal truncated to ``noise_range`` (float64)."""
         m = self.distinct_rows(n)
         sigma = ct.truncated_lognormal_sigmas(m, *self.noise_range(), self.p_mean, self.p_std, generator)
@@ -177,7 +179,7 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
         x0 = self.latents(batch, generator).contiguous()
         n, device = x0.shape[0], x0.device
         cond, uncond = self.text_conditions(batch, n, device)
-        t = self.draw_times(n, generator).to(device)
+        t = self.draw_trigflow_times(n, generator).to(device)
         z = self.sigma_data * self.draw_noise(x0, generator)
         x_t = tf.trigflow_sample(x0, z, t)
         dx_dt = (tf.trigflow_velocity(x0, z, t) if self.teacher_free
