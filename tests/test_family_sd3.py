@@ -201,10 +201,10 @@ def test_export_loads_through_diffusion_pipeline_and_samples_as_the_stock_class(
 
 
 def test_schedulers_of_the_other_kind_are_refused(teacher):
-    assert FLOW_SCHEDULERS == ("flow_euler", "flow_lcm")
+    assert FLOW_SCHEDULERS == ("flow_euler", "flow_lcm", "flow_trigflow", "flow_meanflow")
     flow = make_scheduler("flow_euler", teacher.scheduler.config)
     assert type(flow) is FlowMatchEulerDiscreteScheduler and flow.config.shift == SD3_SHIFT
-    with pytest.raises(ValueError, match=r"'ddim' steps a discrete VP .* use one of \['flow_euler', 'flow_lcm'\]"):
+    with pytest.raises(ValueError, match=r"'ddim' steps a discrete VP .* use one of \['flow_euler', 'flow_lcm', 'flow_trigflow', 'flow_meanflow'\]"):
         make_scheduler("ddim", teacher.scheduler.config)
     from diffusers import DDIMScheduler
 
