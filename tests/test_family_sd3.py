@@ -254,14 +254,15 @@ def test_sample_writes_a_grid_from_the_sd3_folder(sd3_dir, tmp_path):
 def test_training_on_an_sd3_teacher_is_refused_before_any_compute(sd3_dir, tmp_path):
     """method=diffusion (the plain VP diffusion objective) on the SD3 folder: exit 2 at validation (no run
     directory), naming the family, the methods that serve it (consistency, progressive, consistency_training,
-    feature_distillation and dmd2; tests/test_consistency_flow.py, tests/test_progressive_flow.py,
-    tests/test_consistency_training_flow.py, tests/test_feature_distillation_flow.py, tests/test_dmd2_flow.py run
-    them) and what else runs."""
-    for served in ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2"):
+    feature_distillation, dmd2, scm, meanflow and rcm; tests/test_consistency_flow.py, tests/test_progressive_flow.py,
+    tests/test_consistency_training_flow.py, tests/test_feature_distillation_flow.py, tests/test_dmd2_flow.py,
+    tests/test_scm.py, tests/test_meanflow.py run them) and what else runs."""
+    for served in ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2", "scm",
+                   "meanflow", "rcm"):
         check_method_serves(sd3_dir, pipeline_configs(sd3_dir), served)
     with pytest.raises(ValueError, match=r"'sd3' teacher .*method='diffusion' cannot train; the methods "
                                          r"that can: \['consistency', 'progressive', 'consistency_training', "
-                                         r"'feature_distillation', 'dmd2'\]"):
+                                         r"'feature_distillation', 'dmd2', 'scm', 'meanflow', 'rcm'\]"):
         check_method_serves(sd3_dir, pipeline_configs(sd3_dir), "diffusion")
     run_dir = tmp_path / "run"
     proc = run_train("+exp=consistency_training", "method=diffusion", f"teacher.pretrained_model_name_or_path={sd3_dir}",
@@ -269,7 +270,7 @@ def test_training_on_an_sd3_teacher_is_refused_before_any_compute(sd3_dir, tmp_p
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert ("is a 'sd3' teacher (StableDiffusion3Family, flow matching), which method='diffusion' cannot "
             "train; the methods that can: ['consistency', 'progressive', 'consistency_training', "
-            "'feature_distillation', 'dmd2']") in proc.stderr
+            "'feature_distillation', 'dmd2', 'scm', 'meanflow', 'rcm']") in proc.stderr
     assert "python -m distill.evaluate pipeline=" in proc.stderr and "python -m distill.sample" in proc.stderr
     assert not run_dir.exists()
 
