@@ -256,14 +256,18 @@ OTHER_METHODS = {
     "feature_distillation": ["+exp=compress", "student=copy", "student.time_cond_proj_dim=null",
                              "scheduler.num_inference_steps=2"],
     "consistency_training": ["+exp=consistency_training"],
+    # the fake score on the SDXL UNet's mid block (its added_cond_kwargs), a LoRA one on the teacher's own network
+    "dmd2_lora_fake_score": ["+exp=dmd2", "method.critic_updates=1", "method.fake_score=lora",
+                             "method.fake_score_rank=4", "scheduler.num_inference_steps=2"],
 }
 
 
-@pytest.mark.slow  # four trainings (~25-40 s each); the consistency run above covers the family in the default suite
+@pytest.mark.slow  # five trainings (~25-40 s each); the consistency run above covers the family in the default suite
 @pytest.mark.parametrize("run", sorted(OTHER_METHODS))
 def test_two_steps_of_every_other_method_export_a_pipeline_that_samples(sdxl, tmp_path, run):
     """Progressive distillation, a LoRA consistency student (its adapters alone load into the stock teacher with
-    load_lora_weights and give the merged export's UNet), output + feature distillation, consistency training."""
+    load_lora_weights and give the merged export's UNet), output + feature distillation, consistency training, DMD2
+    with a LoRA fake score (two generator steps of a 2-step generator)."""
     proc = run_train(*OTHER_METHODS[run], "teacher=sdxl", f"teacher.pretrained_model_name_or_path={sdxl}",
                      "data.resolution=32", *SHORT, f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
