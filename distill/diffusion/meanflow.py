@@ -45,3 +45,15 @@ def meanflow_step(z_t: torch.Tensor, u: torch.Tensor, r, t) -> torch.Tensor:
     """z_r = z_t - (t - r) u(z_t, r, t): one step of the average velocity (one network call); r, t floats or (N,)."""
     d = torch.as_tensor(t - r, dtype=z_t.dtype, device=z_t.device)
     return z_t - (d.view((-1,) + (1,) * (z_t.ndim - 1)) if d.ndim else d) * u
+
+
+def vp_view(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(c, alpha, sigma) of a VP network's view of the flow sample z_t = (1 - t) x + t eps: c z_t = alpha x + sigma eps
+    with c = 1 / sqrt((1 - t)^2 + t^2), alpha = c (1 - t), sigma = c t (noise level sigma / alpha = t / (1 - t))."""
+    c = ((1 - t) ** 2 + t ** 2).rsqrt()
+    return c, c * (1 - t), c * t
+
+
+def flow_time_of_level(sigma: float) -> float:
+    """The flow time t of noise level sigma = t / (1 - t)."""
+    return sigma / (1 + sigma)

@@ -34,7 +34,6 @@ import distill.compress.lowrank_transformer  # noqa: F401  (the low-rank SD3 and
 import distill.compress.prune  # noqa: F401
 import distill.compress.prune_transformer  # noqa: F401  (the pruned SD3 and Flux transformers)
 import distill.families.sd3  # noqa: F401  (DistillSD3Pipeline, the SD3 family's export class)
-import distill.inference.meanflow  # noqa: F401  (the MeanFlow export's pipeline, scheduler and transformer)
 import distill.inference.schedulers  # noqa: F401
 import distill.models.moe  # noqa: F401
 import distill.models.moe_transformer  # noqa: F401  (the MoE SD3 and Flux transformers)
@@ -190,3 +189,5 @@ from distill.families import FAMILIES  # noqa: E402
 for _name, _family in FAMILIES.load().items():
     if _family.pipeline_class is not None:
         setattr(diffusers, _family.pipeline_class.__name__, _family.pipeline_class)
+
+import distill.inference.meanflow  # noqa: E402, F401  (the MeanFlow exports' pipelines, schedulers and networks)

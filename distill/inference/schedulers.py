@@ -33,7 +33,8 @@ SCHEDULERS: dict[str, str] = {
     "flow_lcm": "FlowMatchLCMScheduler",  # a flow consistency student: predict x0, re-noise to the next sigma
     "trigflow": "TrigFlowScheduler",  # sCM students of a VP teacher (distill.inference.trigflow_schedulers)
     "flow_trigflow": "FlowMatchTrigFlowScheduler",  # sCM students of a flow teacher
-    "flow_meanflow": "FlowMatchMeanFlowScheduler",  # MeanFlow students (distill.inference.meanflow)
+    "meanflow": "MeanFlowScheduler",  # MeanFlow students of a VP UNet (distill.inference.meanflow)
+    "flow_meanflow": "FlowMatchMeanFlowScheduler",  # MeanFlow students of a flow teacher
 }
 FLOW_SCHEDULERS = tuple(name for name, cls in SCHEDULERS.items() if cls.startswith("FlowMatch"))
 

@@ -1,9 +1,14 @@
 """MeanFlow (Geng et al. 2025, "Mean Flows for One-step Generative Modeling", arXiv 2505.13447) on a flow-matching
-teacher (SD3 family): a one- or few-step student that learns the average velocity u(z, r, t) between two times.
+teacher (SD3 family) or a VP one (SD UNet): a one- or few-step student that learns the average velocity u(z, r, t)
+between two times of the flow path z_t = (1 - t) x + t eps.
 
-The student is the teacher's transformer with a second time embedding (``MeanFlowSD3Transformer2DModel``: the interval
-t - r embedded and added to the time embedding, its output layer at zero so that the student starts as the teacher's
-velocity, the average velocity at r = t). One training step (MeanFlow Algorithm 1):
+The student is the teacher's network with a second time embedding, of the interval t - r, starting at zero so that the
+student starts as the teacher's velocity, the average velocity at r = t (``distill.models.meanflow``: the SD3
+transformer's own interval embedder; the UNet's ``timestep_cond`` input, a copy student's ``time_cond_proj_dim``). A VP
+UNet is read as a flow network, as sCM reads it as a TrigFlow one: at flow time t it sees the VP sample c z_t at its
+timestep of noise level t / (1 - t) (``distill.diffusion.meanflow.vp_view``), and its output's (x0, eps) give the
+velocity eps - x0; times are kept below the UNet's largest noise level, t <= t_max = sigma_max / (1 + sigma_max).
+One training step (MeanFlow Algorithm 1):
 
 - (r, t) logit-normal, r = t on all but ``ratio_r_neq_t`` of the rows (``sample_time_pairs``);
 - z_t = (1 - t) x + t eps; v = the teacher's velocity at (z_t, t), guided by classifier-free guidance at
@@ -12,8 +17,9 @@ velocity, the average velocity at r = t). One training step (MeanFlow Algorithm 
   central difference with ``method.jvp=finite_difference``);
 - loss sg(w) ||u_theta - sg(v - (t - r) du/dt)||^2, w = 1 / (||delta||^2 + c)^p (adaptive weighting).
 
-Sampling: N uniform steps 1 = t_0 > ... > t_N = 0, z_{t_{i+1}} = z_{t_i} - (t_i - t_{i+1}) u (1 step: z_0 = z_1 - u),
-exported as ``DistillMeanFlowSD3Pipeline`` with ``FlowMatchMeanFlowScheduler``: one transformer call per step.
+Sampling: N uniform steps t_max = t_0 > ... > t_N = 0, z_{t_{i+1}} = z_{t_i} - (t_i - t_{i+1}) u (1 step: z_0 = z_1 - u
+on a flow teacher, t_max = 1), exported as ``DistillMeanFlowSD3Pipeline`` with ``FlowMatchMeanFlowScheduler`` (flow) or
+``DistillMeanFlowPipeline`` with ``MeanFlowScheduler`` (UNet): one network call per step.
 """
 
 from __future__ import annotations
@@ -23,13 +29,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from distill.diffusion import FlowMatchingSchedule, cfg
+from distill.diffusion import FlowMatchingSchedule, cfg, to_x0_eps
 from distill.diffusion import meanflow as mf
+from distill.diffusion.flow import flow_add_noise
 from distill.diffusion.jvp import JVP_MODES, time_derivative
-from distill.inference.meanflow import DistillMeanFlowSD3Pipeline, FlowMatchMeanFlowScheduler
+from distill.diffusion.schedules import vp_timestep
+from distill.inference.meanflow import (
+    DistillMeanFlowPipeline,
+    DistillMeanFlowSD3Pipeline,
+    FlowMatchMeanFlowScheduler,
+    MeanFlowScheduler,
+)
 from distill.methods import METHODS
 from distill.methods.distillation import TeacherStudentDistillation
-from distill.models.meanflow import MeanFlowSD3Transformer2DModel
+from distill.models.meanflow import MeanFlowSD3Transformer2DModel, interval_condition
 from distill.models.teacher import Teacher
 
 
@@ -68,42 +81,67 @@ class MeanFlowDistillation(TeacherStudentDistillation):
         if jvp not in JVP_MODES or finite_difference_step <= 0:
             raise ValueError(f"method.jvp={jvp!r}, method.finite_difference_step={finite_difference_step}: use one of "
                              f"{list(JVP_MODES)} and a step > 0")
-        schedule = getattr(teacher.family, "schedule", None)
-        if not isinstance(schedule, FlowMatchingSchedule):
-            raise ValueError(f"method=meanflow on {teacher.source!r}, whose schedule is not flow matching: MeanFlow "
-                             "learns the average velocity of a flow path; use a flow-matching teacher "
-                             "(+exp=meanflow teacher=digits_flow, or an SD3 pipeline)")
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=guidance_scale,
                          guidance_scale_max=guidance_scale, cache_prompts=cache_prompts, **speed)
-        if type(self.student).__name__ != "SD3Transformer2DModel" or self.is_lora:
-            raise ValueError(f"the student is a {type(self.student).__name__}{' with LoRA adapters' * self.is_lora}: "
-                             "MeanFlow adds its interval embedding to a full copy of a stock SD3Transformer2DModel; "
+        self.flow = isinstance(self.schedule, FlowMatchingSchedule)
+        name = type(self.student).__name__
+        if self.is_lora or name not in ("SD3Transformer2DModel", "UNet2DConditionModel"):
+            raise ValueError(f"the student is a {name}{' with LoRA adapters' * self.is_lora}: MeanFlow adds its "
+                             "interval input to a full copy of a stock SD3Transformer2DModel or UNet2DConditionModel; "
                              "use student=copy")
-        self.student = MeanFlowSD3Transformer2DModel.from_transformer(self.student)
+        if self.flow:
+            self.student = MeanFlowSD3Transformer2DModel.from_transformer(self.student)
+        elif self.w_dim is None:
+            raise ValueError("student.time_cond_proj_dim=null: a MeanFlow UNet takes its second time (the interval "
+                             "t - r) through timestep_cond; set student.time_cond_proj_dim=256 (+exp=meanflow does)")
+        # the largest flow time the network can see: 1 on flow; a UNet's largest noise level otherwise
+        self.t_max = 1.0 if self.flow else mf.flow_time_of_level(float(self.schedule.ve_sigmas[-1]))
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler"])
         self.logit_mean, self.logit_std, self.ratio_r_neq_t = logit_mean, logit_std, ratio_r_neq_t
         self.adaptive_weight_power, self.adaptive_weight_c = adaptive_weight_power, adaptive_weight_c
         self.guidance_scale, self.teacher_free = guidance_scale, teacher_free
         self.jvp, self.finite_difference_step = jvp, finite_difference_step
-        self.sampling = dict(sampling or {"name": "flow_meanflow", "num_inference_steps": 1, "guidance_scale": 1.0})
-        if self.sampling["name"] != "flow_meanflow":
+        own = "flow_meanflow" if self.flow else "meanflow"
+        self.sampling = dict(sampling or {"name": own, "num_inference_steps": 1, "guidance_scale": 1.0})
+        if self.sampling["name"] != own:
             raise ValueError(f"scheduler.name={self.sampling['name']!r}: a MeanFlow student samples with its average "
-                             "velocity; use scheduler=flow_meanflow")
+                             f"velocity; use scheduler={own}")
 
     # ------------------------------------------------------------------ the average velocity
 
+    def network_input(self, z: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """(the network's sample, its time argument for ``family.denoise``, the VP (alpha, sigma) or None) at flow
+        time t; differentiable in (z, t)."""
+        if self.flow:
+            return z, t, ()
+        shape = (-1,) + (1,) * (z.ndim - 1)
+        c, alpha, sigma = (v.to(z).view(shape) for v in mf.vp_view(t))
+        return c * z, vp_timestep(t / (1 - t), self.schedule.ve_sigmas).float(), (alpha, sigma)
+
+    def velocity(self, out: torch.Tensor, x: torch.Tensor, view: tuple) -> torch.Tensor:
+        """The flow velocity of a network output at its sample ``x``: itself on flow; eps - x0 of a VP output."""
+        out = out.to(torch.promote_types(out.dtype, torch.float32))  # a half-precision output in float32
+        if not view:
+            return out
+        x0, eps = to_x0_eps(self.schedule.prediction_type, out, x, *view)
+        return eps - x0
+
     def average_velocity(self, network: nn.Module, z: torch.Tensor, r: torch.Tensor, t: torch.Tensor,
                          cond: dict) -> torch.Tensor:
-        """u(z, r, t) of ``network``: the transformer at timestep 1000 t and interval 1000 (t - r), differentiable in
-        (z, r, t)."""
-        interval = self.schedule.timestep((t - r).float())
-        return self.family.denoise(network, z, t, cond, interval=interval).float()
+        """u(z, r, t) of ``network`` at time t with the interval 1000 (t - r) (``interval_condition``),
+        differentiable in (z, r, t)."""
+        x, time, view = self.network_input(z, t)
+        out = self.family.denoise(network, x, time, cond, **interval_condition(network, 1000 * (t - r).float()))
+        return self.velocity(out, x, view)
 
     @torch.no_grad()
     def teacher_velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
-        """v(z_t, t): the teacher's velocity, classifier-free guided at ``guidance_scale`` (SD3's CFG in velocity)."""
-        v_c, v_u = self.teacher_cond_uncond(z, t.float(), cond, uncond)
-        return v_c if self.guidance_scale == 1.0 else cfg(v_c, v_u, self.guidance_scale)
+        """v(z_t, t): the teacher's velocity, classifier-free guided at ``guidance_scale`` (CFG is linear in the
+        output, so in the velocity too)."""
+        x, time, view = self.network_input(z, t)
+        out_c, out_u = self.teacher_cond_uncond(x, time.float(), cond, uncond)
+        v_c = self.velocity(out_c, x, view)
+        return v_c if self.guidance_scale == 1.0 else cfg(v_c, self.velocity(out_u, x, view), self.guidance_scale)
 
     def meanflow_terms(self, batch: dict, generator: torch.Generator | None = None) -> dict:
         """The step's z_t, r, t, condition and stop-gradient target u_tgt = v - (t - r) du/dt."""
@@ -113,9 +151,10 @@ class MeanFlowDistillation(TeacherStudentDistillation):
         cond, uncond = self.text_conditions(batch, n, device)
         r, t = mf.sample_time_pairs(self.distinct_rows(n), self.logit_mean, self.logit_std, self.ratio_r_neq_t,
                                     generator)
-        r, t = self.paired(r, n).to(device), self.paired(t, n).to(device)
+        # a UNet's times kept below its largest noise level (t_max < 1)
+        r, t = (self.paired(v.clamp(max=self.t_max), n).to(device) for v in (r, t))
         eps = self.draw_noise(x, generator)
-        z = self.schedule.add_noise(x, eps, t.float())
+        z = flow_add_noise(x, eps, t.to(x.dtype).view((-1,) + (1,) * (x.ndim - 1)))  # the flow path, on any teacher
         v = eps - x if self.teacher_free else self.teacher_velocity(z, t, cond, uncond)
         with torch.no_grad():
             _, du_dt = time_derivative(lambda z, r, t: self.average_velocity(self.student, z, r, t, cond), (z, r, t),
@@ -134,17 +173,30 @@ class MeanFlowDistillation(TeacherStudentDistillation):
     def num_inference_steps(self) -> int:
         return self.sampling["num_inference_steps"]
 
-    def sampling_scheduler(self, name: str | None = None) -> FlowMatchMeanFlowScheduler:
-        return FlowMatchMeanFlowScheduler.from_config(self.noise_scheduler_config)
+    def sampling_scheduler(self, name: str | None = None):
+        """``FlowMatchMeanFlowScheduler`` (flow) or ``MeanFlowScheduler`` (VP UNet, from t_max)."""
+        if self.flow:
+            return FlowMatchMeanFlowScheduler.from_config(self.noise_scheduler_config)
+        return MeanFlowScheduler.from_config(self.noise_scheduler_config, t_max=self.t_max)
 
-    def pipeline(self, scheduler: str | None = None) -> DistillMeanFlowSD3Pipeline:
-        """The SD3 family's export pipeline with the MeanFlow loop (both times to the denoiser)."""
+    def call_defaults(self) -> dict:
+        """The intended call: the step count, no CFG pass (the guidance is distilled; a UNet's ``timestep_cond`` is
+        the interval, not a guidance scale)."""
+        return {"default_num_inference_steps": self.num_inference_steps, "default_guidance_scale": 1.0,
+                "guidance_distilled": True}
+
+    def pipeline(self, scheduler: str | None = None):
+        """The family's export pipeline with the MeanFlow loop (both times to the denoiser)."""
         pipe = self.family.pipeline(self.student, self.sampling_scheduler(scheduler), **self.call_defaults())
-        pipe = DistillMeanFlowSD3Pipeline(**pipe.components, **{k: v for k, v in pipe.config.items()
-                                                                 if k.startswith("default_") or k in (
-                                                                     "guidance_distilled", "sigma_spacing")})
+        cls = DistillMeanFlowSD3Pipeline if self.flow else DistillMeanFlowPipeline
+        keys = ("guidance_distilled", "sigma_spacing", "requires_safety_checker")
+        pipe = cls(**pipe.components, **{k: v for k, v in pipe.config.items() if k.startswith("default_") or k in keys})
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def guidance_note(self) -> str:
+        return (f"distilled from {self.guidance_source()} into the average velocity: one network evaluation per step, "
+                "never a CFG pass; guidance_scale has no effect.")
 
     def guidance_source(self) -> str:
         return "no guidance (trained from data)" if self.teacher_free else \
@@ -157,14 +209,16 @@ class MeanFlowDistillation(TeacherStudentDistillation):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Before any model is built: the MeanFlow sampler, and a local teacher that is flow matching."""
+        """Before any model is built: the MeanFlow sampler of a local teacher's kind, and a UNet student's interval
+        input."""
         from distill.methods.dmd2 import _flow_teacher
 
         name = str(getattr(cfg.scheduler.name, "value", cfg.scheduler.name))
-        if name != "flow_meanflow":
-            raise ValueError(f"scheduler.name={name!r}: a MeanFlow student samples with its average velocity; use "
-                             "scheduler=flow_meanflow (+exp=meanflow sets it)")
-        if _flow_teacher(cfg) is False:
-            raise ValueError(f"method=meanflow on the discrete VP teacher {str(cfg.teacher.pretrained_model_name_or_path)!r}: "
-                             "MeanFlow learns the average velocity of a flow path; use a flow-matching teacher "
-                             "(+exp=meanflow teacher=digits_flow, or an SD3 pipeline)")
+        flow = _flow_teacher(cfg)
+        if name not in ("meanflow", "flow_meanflow") or (flow is not None and flow != (name == "flow_meanflow")):
+            fix = ("scheduler=flow_meanflow (+exp=meanflow_flow)" if flow else "scheduler=meanflow (+exp=meanflow)"
+                   ) if flow is not None else "scheduler=meanflow or flow_meanflow"
+            raise ValueError(f"scheduler.name={name!r}: a MeanFlow student samples with its average velocity; use {fix}")
+        if flow is False and cfg.get("student", {}).get("time_cond_proj_dim") is None:
+            raise ValueError("student.time_cond_proj_dim=null: a MeanFlow UNet takes its second time (the interval "
+                             "t - r) through timestep_cond; set student.time_cond_proj_dim=256 (+exp=meanflow does)")

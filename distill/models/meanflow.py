@@ -1,18 +1,22 @@
-"""The MeanFlow network u(z, r, t) on a flow transformer: SD3's transformer with a second time embedding.
+"""The MeanFlow network u(z, r, t): the teacher's network with a second time embedding, of the interval t - r.
 
-Choice (MeanFlow, Geng et al. 2025, conditions its DiT on two times through summed embeddings): the second time is the
-interval t - r, in the first's units (timestep 1000 (t - r)), embedded by its own ``TimestepEmbedding`` on the same
-sinusoidal projection and added to the first time's embedding (SD3's time-and-text embedding, which every block's
-adaptive norm reads). Its output layer starts at zero, so a student copied from the teacher starts as u(z, r, t) =
-v(z, t), the teacher's instantaneous velocity, which is the average velocity at r = t. Every weight of the teacher keeps
-its name; the new ones are ``interval_embedder.*``.
+Choice (MeanFlow, Geng et al. 2025, conditions its DiT on (t, t - r) through summed embeddings): the second time is
+the interval t - r in the first's units (1000 (t - r)), embedded and added to the first time's embedding, starting at
+zero, so that a student copied from the teacher starts as u(z, r, t) = v(z, t), the teacher's instantaneous velocity,
+which is the average velocity at r = t. Every weight of the teacher keeps its name.
+
+- SD3 transformer (``MeanFlowSD3Transformer2DModel``): its own ``TimestepEmbedding`` (``interval_embedder.*``) on the same
+  sinusoidal projection, added to the time-and-text embedding that every block's adaptive norm reads.
+- SD UNet: the UNet's own ``timestep_cond`` input (``time_cond_proj_dim``, a copy student's zero-initialised
+  ``time_embedding.cond_proj``, LCM's guidance input): the interval's sinusoidal embedding, projected and added to the
+  time projection before the time MLP (``interval_condition``).
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers import ModelMixin, SD3Transformer2DModel  # noqa: F401  (diffusers' loader finds the base class here)
-from diffusers.models.embeddings import TimestepEmbedding
+from diffusers import ModelMixin, SD3Transformer2DModel, UNet2DConditionModel  # noqa: F401  (diffusers' loader finds the base class here)
+from diffusers.models.embeddings import TimestepEmbedding, get_timestep_embedding
 
 from distill.models.moe_transformer import _accepting_config_keys
 
@@ -59,3 +63,20 @@ class MeanFlowSD3Transformer2DModel(SD3Transformer2DModel):
 
 
 _accepting_config_keys(MeanFlowSD3Transformer2DModel, SD3Transformer2DModel, {})
+
+
+def interval_condition(network: torch.nn.Module, interval: torch.Tensor) -> dict:
+    """The keyword arguments that give ``network`` the interval 1000 (t - r) (N,): ``interval`` for the two-time SD3
+    transformer, ``timestep_cond`` (its sinusoidal embedding at the UNet's own frequency convention) for a UNet with
+    ``time_cond_proj_dim``."""
+    if isinstance(network, MeanFlowSD3Transformer2DModel):
+        return {"interval": interval}
+    dim = getattr(network.config, "time_cond_proj_dim", None) if isinstance(network, UNet2DConditionModel) else None
+    if dim is None:
+        raise ValueError(f"{type(network).__name__} takes no second time: MeanFlow needs a MeanFlowSD3Transformer2DModel "
+                         "or a UNet2DConditionModel with time_cond_proj_dim (student=copy with student.time_cond_proj_dim"
+                         "=256)")
+    c = network.config
+    embedding = get_timestep_embedding(interval, dim, flip_sin_to_cos=c.flip_sin_to_cos,
+                                       downscale_freq_shift=c.freq_shift)
+    return {"timestep_cond": embedding.to(network.dtype)}  # the UNet casts its time projection, not timestep_cond
