@@ -17,17 +17,20 @@ for d in pruned30 pruned50 pruned70; do
     num_per_class=50 grids=false cost_repeats=1 hydra.run.dir=$u/$d/eval
 done
 common=(callbacks.quality_cost.teacher=null logger=csv)
-for v in "pruned30|student.ratio=0.3 trainer.max_steps=1000" "pruned50|student.ratio=0.5" \
-  "pruned70|student.ratio=0.7 trainer.max_steps=1000" "pruned50_bksdm|student.ratio=0.5 method.match_mid_block=false"; do
-  # shellcheck disable=SC2086
-  step "$O/${v%%|*}/export/model_index.json" $PY -m distill.train +exp=compress ${v#*|} "${common[@]}" hydra.run.dir=$O/${v%%|*}
-done
+recover() {  # recover NAME OVERRIDES...: +exp=compress into $O/NAME unless its export exists
+  local name=$1; shift
+  step "$O/$name/export/model_index.json" $PY -m distill.train +exp=compress "$@" "${common[@]}" hydra.run.dir=$O/$name
+}
+recover pruned30 student.ratio=0.3 trainer.max_steps=1000
+recover pruned50 student.ratio=0.5
+recover pruned70 student.ratio=0.7 trainer.max_steps=1000
 lcm=(trainer.max_steps=500 method.lr_scheduler.total_steps=500 callbacks.quality_cost.every_n_steps=500
   "${common[@]}" sample_grid_seeds=0)
 step "$O/pruned50_lcm/export/model_index.json" $PY -m distill.train +exp=consistency student=pruned student.ratio=0.5 \
   student.time_cond_proj_dim=256 "${lcm[@]}" hydra.run.dir=$O/pruned50_lcm
 step "$O/recovered50_lcm/export/model_index.json" $PY -m distill.train +exp=consistency student=pretrained \
   student.path=$O/pruned50/export student.time_cond_proj_dim=256 "${lcm[@]}" hydra.run.dir=$O/recovered50_lcm
+recover pruned50_bksdm student.ratio=0.5 method.match_mid_block=false  # last: the longest (2,000 steps)
 $PY bench/compress_table.py "pruned30 untrained=$u/pruned30/eval/quality_cost.csv" \
   "pruned50 untrained=$u/pruned50/eval/quality_cost.csv" "pruned70 untrained=$u/pruned70/eval/quality_cost.csv" \
   "pruned30 1k=$O/pruned30/quality_cost.csv:student" "pruned50 2k=$O/pruned50/quality_cost.csv:student" \
