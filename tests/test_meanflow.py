@@ -203,6 +203,8 @@ def test_the_export_passes_both_times_one_call_per_step(which, sd_dir, sd3_dir, 
     assert index["default_num_inference_steps"] == 1 and index["guidance_distilled"] is True
     if flow:
         assert index["transformer"] == ["distill.models.meanflow", "MeanFlowSD3Transformer2DModel"]
+    card = (export / "README.md").read_text()  # no stock class can pass both times: the card says so, not a stock call
+    assert "samples only through its own class" in card and "pass the call explicitly" not in card
     pipe = DiffusionPipeline.from_pretrained(export)
     pipe.set_progress_bar_config(disable=True)
     net = pipe.transformer if flow else pipe.unet

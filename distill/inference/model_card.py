@@ -92,9 +92,12 @@ def stock_extras(folder: Path, pipeline: str) -> dict:
 
 
 def _stock_note(info: dict) -> str:
-    """How to load and call the folder through diffusers' stock class, which ignores the registered defaults."""
+    """How to load and call the folder through diffusers' stock class, which ignores the registered defaults; a
+    method's own ``stock_note`` where no stock class can sample it (MeanFlow's two-time denoiser)."""
     if info.get("conditioning") == "class":
         return ""
+    if info.get("stock_note"):
+        return f"\n{info['stock_note']}\n"
     call = info["sampling"]
     guidance = 1.0 if info.get("guidance_distilled") else call["guidance_scale"]
     why = (" (the guidance is distilled: a larger value would add a CFG pass on top of it)"

@@ -205,7 +205,11 @@ class MeanFlowDistillation(TeacherStudentDistillation):
     def export_info(self) -> dict:
         return {**super().export_info(), "teacher_free": self.teacher_free, "jvp": self.jvp,
                 "denoiser": "u(z, r, t): timestep 1000 t, interval 1000 (t - r) (a second time embedding added to the "
-                            "first)", "step": "z_r = z_t - (t - r) u, t_i = 1 - i / N"}
+                            "first)", "step": "z_r = z_t - (t - r) u, t_i = t_max (1 - i / N)",
+                "stock_note": "diffusers' stock pipelines pass the denoiser one time; this model takes two (t and the "
+                              "interval t - r) and samples only through its own class, "
+                              f"`{'DistillMeanFlowSD3Pipeline' if self.flow else 'DistillMeanFlowPipeline'}`, which "
+                              "`DiffusionPipeline.from_pretrained` loads after the import above."}
 
     @classmethod
     def check_config(cls, cfg) -> None:
