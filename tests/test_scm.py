@@ -214,8 +214,8 @@ def test_the_tangent_stabilisers_and_the_adaptive_weighting_are_the_papers():
 
 def test_the_export_samples_one_call_per_step_at_the_trigflow_times(sd_dir, tmp_path):
     """The 2-step export of a VP student: TrigFlowScheduler in model_index.json; from_pretrained(export)(prompt) runs
-    2 UNet calls of 1 row at the VP timesteps of t_max = arctan(sigma_max / sigma_d) and 1.1, and its output is f
-    after one re-noising, as the method's own consistency function gives it."""
+    2 UNet calls of 1 row at the VP timesteps of t_max = arctan(sigma_max / sigma_d) and 1.1; the stock
+    StableDiffusionPipeline with the card's call gives the same images; a scheduler step is the method's own f."""
     from diffusers import DiffusionPipeline
 
     from distill.diffusion.schedules import vp_timestep
@@ -237,6 +237,16 @@ def test_the_export_samples_one_call_per_step_at_the_trigflow_times(sd_dir, tmp_
              callback_on_step_end=lambda p, i, t, kw: seen.append(float(t)) or kw)
     expected = vp_timestep(torch.tensor([t_max, 1.1], dtype=torch.float64).tan(), method.schedule.ve_sigmas)
     assert (counter.calls, counter.examples) == (2, 2) and seen == pytest.approx(expected.tolist(), rel=1e-6)
+    # the card's stock call: diffusers' StableDiffusionPipeline on the same folder samples the same images
+    from diffusers import StableDiffusionPipeline
+
+    ours = pipe(PROMPTS[0], generator=torch.Generator().manual_seed(0), output_type="pt").images
+    stock = StableDiffusionPipeline.from_pretrained(export)
+    stock.set_progress_bar_config(disable=True)
+    assert "num_inference_steps=2, guidance_scale=1.0" in (export / "README.md").read_text()
+    theirs = stock(PROMPTS[0], num_inference_steps=2, guidance_scale=1.0, generator=torch.Generator().manual_seed(0),
+                   output_type="pt").images
+    assert type(stock.scheduler).__name__ == "TrigFlowScheduler" and torch.equal(ours, theirs)
     # one step of the scheduler is the method's f (sigma_d = 1: the VP sample at t is the TrigFlow sample)
     scheduler = method.sampling_scheduler()
     cond, _ = method.text_conditions({"caption": PROMPTS[:1]}, 1, "cpu")
