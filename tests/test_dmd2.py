@@ -256,6 +256,20 @@ def test_a_lora_fake_score_is_adapters_on_the_teachers_own_network(tiny_sd):
     torch.testing.assert_close(fresh.teacher_forward(x_t, t, cond), disk, rtol=0, atol=0)
 
 
+def test_a_checkpoint_of_another_fake_score_is_refused_on_resume(tiny_sd):
+    """Loading is not strict (the frozen teacher is not stored): a checkpoint whose critic weights do not fit this
+    fake score (a full copy's, into a LoRA fake score) is refused naming the setting, not loaded with B = 0."""
+    copy_method = make_method(tiny_sd)
+    checkpoint = {"state_dict": copy_method.state_dict()}
+    copy_method.on_save_checkpoint(checkpoint)
+    lora = make_method(tiny_sd, fake_score="lora", fake_score_rank=4)
+    with pytest.raises(ValueError, match=r"another method.fake_score \('lora' now\)"):
+        lora.on_load_checkpoint(checkpoint)
+    own = {"state_dict": lora.state_dict()}
+    lora.on_save_checkpoint(own)
+    lora.on_load_checkpoint(own)  # its own checkpoint passes
+
+
 def test_a_lora_fake_score_beside_a_lora_student_is_refused(tiny_sd):
     import functools
 
@@ -319,6 +333,8 @@ def test_two_cli_steps_export_a_generator_that_samples_on_its_own_timesteps(tmp_
     (["method.gan_critic_weight=-1"], "method.gan_critic_weight=-1.0 must be >= 0"),
     (["method.fake_score=full"], "method.fake_score='full': use copy"),
     (["method.fake_score=lora", "method.fake_score_rank=0"], "method.fake_score_rank=0 must be an integer >= 1"),
+    (["method.fake_score=lora", "student=lora", "student.time_cond_proj_dim=null"],
+     "method.fake_score=lora with student=lora"),
 ])
 def test_bad_options_are_refused_by_the_config_check(compose, overrides, needle):
     from distill.config.validate import ConfigError, validate

@@ -284,6 +284,9 @@ def test_what_cannot_work_on_a_flow_teacher_is_refused(sd3_dir, compose):
                                 r"callbacks.quality_cost.schedulers: 'lcm' steps a discrete VP")):
         with pytest.raises(ConfigError, match=message):
             validate(compose(*overrides))
+    # without teacher rows (quality_cost.teacher null) the sweep's teacher schedulers are not read
+    validate(compose("+exp=dmd2_flow", flow, "callbacks.quality_cost.teacher=null",
+                     "callbacks.quality_cost.teacher_schedulers=[ddim]"))
     with pytest.raises(ValueError, match="scheduler.name: 'lcm' steps a discrete VP"):
         _method(sd3_dir, sampling={"name": "lcm", "num_inference_steps": 1, "guidance_scale": 1.0})
     with pytest.raises(ValueError, match="method.regression_weight=0.5 on the flow-matching teacher"):

@@ -157,3 +157,10 @@ def test_a_pruned_transformer_export_loads_as_the_identical_student(family, tmp_
     UNet2DConditionModel.from_pretrained(asset_path("teacher") / "unet").save_pretrained(tmp_path / "unet")
     with pytest.raises(ValueError, match="a UNet for a UNet teacher, a transformer for SD3/Flux"):
         pretrained_student(teacher, str(tmp_path / "unet"))
+
+
+def test_a_meanflow_export_is_refused_naming_its_two_times(tmp_path, teacher_unet):
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"_class_name": "MeanFlowSD3Transformer2DModel"}))
+    with pytest.raises(ValueError, match=r"a MeanFlow student: it takes two times \(r, t\).*method=meanflow"):
+        pretrained_student(teacher_unet, str(tmp_path))

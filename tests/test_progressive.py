@@ -179,3 +179,28 @@ def test_exported_scheduler_visits_the_training_pairs_for_every_step_count(tiny_
         visited = [_visited_pair(scheduler, t, method.schedule.abar) for t in scheduler.timesteps]
         assert visited == trained, steps
         assert visited[-1][1] == T  # the last step reaches the clean sample (alpha 1, sigma 0)
+
+
+def test_a_lora_students_later_round_teacher_keeps_its_adapters(tiny_sd):
+    """With student=lora the next round's teacher is the frozen copy of the student, adapters included: its output is
+    the student's at the hand-over, not the original teacher's (the adapters that teacher calls switch off are only
+    those on the teacher's own network)."""
+    import functools
+
+    from distill.students.copies import lora_student
+
+    method = ProgressiveDistillation(load_teacher(str(tiny_sd)), functools.partial(lora_student, rank=4),
+                                     torch.optim.AdamW, start_steps=8, final_steps=2, steps_per_round=5)
+    assert method.is_lora and method.teacher_carries_other_adapters
+    x, t, cond = method.family.example_inputs(method.student, 2)
+    original = method.teacher_forward(x, t, cond)
+    with torch.no_grad():
+        for name, p in method.student.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.05)  # the student has moved away from the first teacher
+        moved = method.family.denoise(method.student, x, t, cond).float()
+    assert (moved - original).abs().max() > 1e-3
+    torch.testing.assert_close(method.teacher_forward(x, t, cond), original, rtol=0, atol=0)  # adapters off
+    method.finish_round()
+    assert not method.teacher_carries_other_adapters
+    torch.testing.assert_close(method.teacher_forward(x, t, cond), moved, rtol=0, atol=1e-6)

@@ -131,21 +131,24 @@ def _check_teacher(cfg: DictConfig) -> None:
 
 
 def _check_quality_cost_schedulers(cfg: DictConfig) -> None:
-    """The quality-cost callback's student and teacher schedulers are of a local teacher's kind (flow matching or
-    discrete VP, ``check_scheduler_kind``): a sweep of the other kind would fail at the first evaluation, after
-    training had run (e.g. ``+exp=dmd2 scheduler=flow_lcm`` on a flow teacher keeps dmd2's VP rows). Checked after
-    the method's own check, whose message names the method's flow preset."""
+    """The quality-cost callback's student schedulers are of a local teacher's kind (flow matching or discrete VP,
+    ``check_scheduler_kind``), and its teacher schedulers of the kind of the teacher pipeline it samples
+    (``callbacks.quality_cost.teacher``, when that is set and local): a sweep of the other kind would fail at the
+    first evaluation, after training had run (e.g. ``+exp=dmd2 scheduler=flow_lcm`` on a flow teacher keeps dmd2's
+    VP rows). Checked after the method's own check, whose message names the method's flow preset."""
     from pathlib import Path
 
     from distill.inference.schedulers import check_scheduler_kind
     from distill.models.teacher import pipeline_configs
 
     callback = (cfg.get("callbacks") or {}).get("quality_cost")
-    source = (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")
-    if callback is None or source is None or not Path(str(source)).exists():
+    if callback is None:
         return
-    scheduler_config = pipeline_configs(Path(str(source)))["scheduler"]
-    for key in ("schedulers", "teacher_schedulers"):
+    for key, source in (("schedulers", (cfg.get("teacher") or {}).get("pretrained_model_name_or_path")),
+                        ("teacher_schedulers", callback.get("teacher"))):
+        if source is None or not Path(str(source)).exists():
+            continue  # no teacher rows, or a hub id (checked when loaded)
+        scheduler_config = pipeline_configs(Path(str(source)))["scheduler"]
         for name in callback.get(key) or ():
             try:
                 check_scheduler_kind(str(getattr(name, "value", name)), scheduler_config,

@@ -168,13 +168,23 @@ class TeacherStudentDistillation(DistillMethod):
         cond = self.family.condition(batch)
         return cond, self.family.null_condition(n, device, like=cond)
 
+    @property
+    def teacher_carries_other_adapters(self) -> bool:
+        """Whether ``teacher_unet`` carries adapters that are not the teacher's (a LoRA student's on the teacher's
+        own network), switched off for its calls; a frozen copy of a LoRA student acting as a later teacher
+        (progressive rounds) keeps its adapters: they are that teacher."""
+        return self.teacher_unet is self.student
+
     @torch.no_grad()
     def teacher_forward(self, x: torch.Tensor, t: torch.Tensor, cond: dict, **extra) -> torch.Tensor:
-        """The teacher's output at (x, t) under ``cond``, in float32; adapters on the teacher's network (a LoRA
-        student's, a LoRA fake score's) are off meanwhile."""
+        """The teacher's output at (x, t) under ``cond``, in float32; adapters on the teacher's network that are
+        not the teacher's (``teacher_carries_other_adapters``) are off meanwhile."""
+        from contextlib import nullcontext
+
         from distill.students.copies import adapters_disabled
 
-        with adapters_disabled(self.teacher_unet), self.frozen_autocast(self.teacher_is_original):
+        off = adapters_disabled(self.teacher_unet) if self.teacher_carries_other_adapters else nullcontext()
+        with off, self.frozen_autocast(self.teacher_is_original):
             return self.family.denoise(self.teacher_unet, x, t, cond, **extra).float()
 
     def teacher_cond_uncond(self, x: torch.Tensor, t: torch.Tensor, cond: dict,

@@ -176,8 +176,10 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
     ):
         check_options(real_guidance_scale, critic_updates, dmd_time_min, dmd_time_max, gan_generator_weight,
                       gan_critic_weight, regression_weight, regression_steps, fake_score, fake_score_rank)
-        # a full copy is taken before a LoRA student adapts the teacher's network in place
-        fake_copy = copy.deepcopy(teacher.denoiser).requires_grad_(True) if fake_score == "copy" else None
+        # a full copy is taken before a LoRA student adapts the teacher's network in place; trained in float32
+        # master weights as the student is (a teacher loaded in bf16 would otherwise train its fake score in bf16)
+        fake_copy = (copy.deepcopy(teacher.denoiser).float().requires_grad_(True) if fake_score == "copy"
+                     else None)
         super().__init__(teacher, student, optimizer, lr_scheduler, guidance_scale_min=real_guidance_scale,
                          guidance_scale_max=real_guidance_scale, cache_prompts=cache_prompts, **speed)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "critic_optimizer", "lr_scheduler",
@@ -234,11 +236,19 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
         if self.is_lora:
             raise ValueError("method.fake_score=lora with student=lora: both would be adapters on the teacher's one "
                              "network; use student=copy with a LoRA fake score, or method.fake_score=copy")
-        return add_lora_adapter(self.teacher_unet, rank, alpha, adapter_name=FAKE_SCORE_ADAPTER)
+        network = add_lora_adapter(self.teacher_unet, rank, alpha, adapter_name=FAKE_SCORE_ADAPTER)
+        for name, p in network.named_parameters():  # peft gives adapters the base layer's dtype: train in float32
+            if f".{FAKE_SCORE_ADAPTER}." in name:
+                p.data = p.data.float()
+        return network
 
     @property
     def fake_score_is_lora(self) -> bool:
-        return self.critic.score is self.teacher_unet
+        return getattr(self, "critic", None) is not None and self.critic.score is self.teacher_unet
+
+    @property
+    def teacher_carries_other_adapters(self) -> bool:  # a LoRA fake score's adapters are off for the real score
+        return super().teacher_carries_other_adapters or self.fake_score_is_lora
 
     def frozen_networks(self) -> list[nn.Module]:  # the fake score runs every step too: compiled as the student is
         return super().frozen_networks() + ([] if self.fake_score_is_lora else [self.critic.score])
@@ -251,6 +261,20 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
             state = checkpoint["state_dict"]
             for key in [k for k in state if k.startswith("critic.score.") and "lora_" not in k]:
                 del state[key]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Loading is not strict (the teacher's frozen weights are not stored), so the critic's trained weights are
+        checked here: a checkpoint without this fake score's adapters (another fake_score, rank or target set)
+        would otherwise leave them at B = 0 beside a restored optimizer state."""
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get("state_dict", {})
+        wanted = [k for k in self.state_dict() if k.startswith("critic.head.")
+                  or (k.startswith("critic.score.") and (not self.fake_score_is_lora or "lora_" in k))]
+        missing = [k for k in wanted if k not in state]
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} of the critic's {len(wanted)} trained tensors (e.g. "
+                             f"{missing[0]!r}): it was saved with another method.fake_score ({self.fake_score_kind!r} "
+                             "now) or fake_score_rank; resume with the settings it was trained with")
 
     # ------------------------------------------------------------------ guidance inputs (FLUX.1-dev's embedding)
 
@@ -484,11 +508,27 @@ class DistributionMatchingDistillation(TeacherStudentDistillation):
         if flow and m.regression_weight > 0:
             raise ValueError(f"method.regression_weight={m.regression_weight} on a flow-matching teacher: DMD v1's "
                              "regression targets are DDIM solutions of a VP teacher; set method.regression_weight=0")
+        if m.fake_score == "lora" and _student_is_lora(cfg):
+            raise ValueError("method.fake_score=lora with student=lora: both would be adapters on the teacher's one "
+                             "network; use student=copy with a LoRA fake score, or method.fake_score=copy")
         w_dim = cfg.get("student", {}).get("time_cond_proj_dim")
         if w_dim is not None:
             raise ValueError(f"student.time_cond_proj_dim={w_dim}: a DMD2 generator takes no guidance input (its "
                              "guidance is the real score's, method.real_guidance_scale); set student.time_cond_proj_dim=null")
         check_resolution(cfg)
+
+
+def _student_is_lora(cfg) -> bool:
+    """Whether the configured student is ``student=lora`` (adapters on the teacher's own network)."""
+    from hydra.utils import get_object
+
+    from distill.students import STUDENTS
+
+    target = (cfg.get("student") or {}).get("_target_")
+    try:
+        return target is not None and STUDENTS.name_of(get_object(str(target))) == "lora"
+    except (ImportError, AttributeError, KeyError, ValueError):
+        return False
 
 
 def _flow_teacher(cfg) -> bool | None:

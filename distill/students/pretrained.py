@@ -56,6 +56,10 @@ def denoiser_folder(path: str | Path) -> Path:
 
 def _denoiser_class(name: str) -> type:
     """The denoiser class a saved config names (``_class_name``): diffusers' own, or one that distill exports."""
+    if name.startswith("MeanFlow"):  # distill.models.meanflow: a flow map, not a denoiser of one time
+        raise ValueError(f"student.path holds a {name}, a MeanFlow student: it takes two times (r, t), which the "
+                         "other methods never pass; continue training it with method=meanflow, or give a student "
+                         "of one time")
     cls = {c.__name__: c for c in EXPORTED}.get(name, getattr(diffusers, name, None))
     if not isinstance(cls, type):
         raise ValueError(f"student.path holds a {name!r}, which neither diffusers nor distill defines")
