@@ -224,8 +224,10 @@ def test_the_export_passes_both_times_one_call_per_step(which, sd_dir, sd3_dir, 
         assert expected == pytest.approx(vp_timestep(times / (1 - times), method.schedule.ve_sigmas).tolist())
     cond, _ = method.text_conditions({"caption": PROMPTS[:1]}, 1, "cpu")
     at = lambda v: torch.full((1,), v, dtype=torch.float64)  # noqa: E731
+    start = z1 * pipe.scheduler.init_noise_sigma  # prepare_latents scales given latents too (UNet: 1 / c(t_max))
+    assert pipe.scheduler.init_noise_sigma == 1.0 if flow else pipe.scheduler.init_noise_sigma < 1.0
     with torch.no_grad():
-        z = z1 - t0 / 2 * method.average_velocity(method.student, z1, at(t0 / 2), at(t0), cond)
+        z = start - t0 / 2 * method.average_velocity(method.student, start, at(t0 / 2), at(t0), cond)
         z = z - t0 / 2 * method.average_velocity(method.student, z, at(0.0), at(t0 / 2), cond)
     torch.testing.assert_close(out, z, rtol=1e-5, atol=1e-5)
 
@@ -302,3 +304,17 @@ def test_a_stopped_meanflow_run_resumed_is_bit_identical(tmp_path):
     curves = [{int(r["step"]): r["train/loss"] for r in csv.DictReader(open(d / "csv" / "metrics.csv"))
                if r.get("train/loss")} for d in (straight, resumed)]
     assert len(curves[0]) == 4 and curves[0] == curves[1]
+
+
+def test_the_unet_samplers_first_input_is_unit_variance_noise():
+    """MeanFlowScheduler starts from the flow sample at t_max < 1, (1 - t) x + t eps of spread 1 / c(t_max) for
+    unit-variance latents: init_noise_sigma is that spread, so the UNet's first input c z is unit-variance noise
+    (review finding: it was 1.0, a first input 6.6% too wide on SD's schedule)."""
+    from distill.inference.meanflow import MeanFlowScheduler
+
+    scheduler = MeanFlowScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    scheduler.set_timesteps(2)
+    t = scheduler.t_max
+    assert 0.9 < t < 1 and scheduler.init_noise_sigma == pytest.approx(((1 - t) ** 2 + t ** 2) ** 0.5, abs=1e-12)
+    first = scheduler.scale_model_input(torch.full((1,), scheduler.init_noise_sigma, dtype=torch.float64))
+    assert float(first) == pytest.approx(1.0, abs=1e-12)

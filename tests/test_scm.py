@@ -369,7 +369,7 @@ def test_rcm_reuses_dmd2s_critic_and_its_dmd_term_vanishes_where_the_scores_agre
 
     for name in ("_fake_score", "real_x0", "fake_x0", "draw_times", "critic_loss"):
         assert getattr(RCM, name) is getattr(DMD2, name)
-    method = _rcm(sd_dir, guidance_scale=1.0, dmd_weight=0.5)
+    method = _rcm(sd_dir, guidance_scale=1.0, dmd_weight=0.5, tangent_warmup_steps=0)
     assert list(method.roles) == ["student", "critic"] and not method.automatic_optimization
     cond, uncond = method.text_conditions({"caption": PROMPTS}, 2, "cpu")
     x_real = method.latents(_batch(), torch.Generator().manual_seed(0))
@@ -381,13 +381,33 @@ def test_rcm_reuses_dmd2s_critic_and_its_dmd_term_vanishes_where_the_scores_agre
     assert method.dmd_term(x_real, cond, uncond, torch.Generator().manual_seed(1)) > 1e-4
     loss = method.loss(_batch(), torch.Generator().manual_seed(2))
     torch.testing.assert_close(loss, method._parts["scm_loss"] + method._parts["dmd_loss"])
-    scm = _method(sd_dir, guidance_scale=3.0)
+    scm = _method(sd_dir, guidance_scale=3.0, tangent_warmup_steps=0)
     scm.student.load_state_dict(method.student.state_dict())
     method.dmd_weight = 0.0
     torch.testing.assert_close(method.loss(_batch(), torch.Generator().manual_seed(2)),
                                scm.loss(_batch(), torch.Generator().manual_seed(2)), rtol=0, atol=0)
     critic = method.critic_loss(_batch(), torch.Generator().manual_seed(3))
     assert torch.isfinite(critic) and critic > 0
+
+
+def test_rcms_dmd_term_keeps_its_weight_against_the_learned_weighting_and_waits_for_the_warm_up(sd_dir):
+    """The DMD term is dmd_weight x 2 e^{w} x DMD2's loss (the sCM times' mean weight, detached): at w = 0 that is
+    2 x, at w = 1 2e x, the same draws; before the tangent warm-up ends there is no DMD term (rCM's code)."""
+    method = _rcm(sd_dir, guidance_scale=3.0, dmd_weight=0.5, tangent_warmup_steps=0)
+
+    def dmd_alone(seed):
+        g = torch.Generator().manual_seed(seed)
+        terms = method.scm_terms(_batch(), g)
+        return method.dmd_term(terms["x0"], terms["cond"], terms["uncond"], g)
+
+    for bias, scale in ((0.0, 2.0), (1.0, 2 * math.e)):
+        with torch.no_grad():
+            method.weighting.linear.bias.fill_(bias)
+        method.loss(_batch(), torch.Generator().manual_seed(5))
+        torch.testing.assert_close(method._parts["dmd_loss"], 0.5 * scale * dmd_alone(5).detach(), rtol=1e-5, atol=0)
+    waiting = _rcm(sd_dir, guidance_scale=3.0, dmd_weight=0.5, tangent_warmup_steps=5)
+    waiting.loss(_batch(), torch.Generator().manual_seed(5))
+    assert set(waiting._parts) == {"scm_loss"} and not waiting.dmd_active()
 
 
 def test_rcms_one_step_sample_is_the_exports_one_step_sample(sd_dir):
@@ -406,12 +426,12 @@ def test_rcms_one_step_sample_is_the_exports_one_step_sample(sd_dir):
 
 
 def test_two_cli_steps_of_rcm_train_the_critic_and_export(tmp_path):
-    """+exp=rcm on the embedded UNet teacher: two student steps with one critic update each; the checkpoint holds the
+    """+exp=rcm on the embedded UNet teacher: two student steps with four critic updates each; the checkpoint holds the
     student, the weighting network and the critic (DMD2's fake score) and the role counts; the export samples."""
     run_dir = tmp_path / "run"
     proc = run_train("+exp=rcm", *FAST, f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = safe_load(run_dir / "checkpoints" / "last.ckpt")
     assert {k.split(".")[0] for k in state["state_dict"]} == {"student", "weighting", "critic"}
-    assert state["role_updates"] == {"student": 2, "critic": 2} and len(state["optimizer_states"]) == 2
+    assert state["role_updates"] == {"student": 2, "critic": 8} and len(state["optimizer_states"]) == 2
     assert json.loads((run_dir / "export" / "distill.json").read_text())["method"] == "rcm"

@@ -127,7 +127,9 @@ class MeanFlowScheduler(SchedulerMixin, ConfigMixin):
                                  rescale_betas_zero_snr=rescale_betas_zero_snr)
         self.ve_sigmas = vp_sigmas(schedule.alphas_cumprod)
         self.t_max = mf.flow_time_of_level(float(self.ve_sigmas[-1])) if t_max is None else t_max
-        self.init_noise_sigma = 1.0
+        # the flow sample at t_max, (1 - t) x + t eps, has spread 1 / c(t_max) for unit-variance latents: the UNet's
+        # first input c z is then unit-variance noise, as in training (at t_max < 1, 1 / c < 1)
+        self.init_noise_sigma = 1.0 / float(mf.vp_view(torch.tensor([self.t_max], dtype=torch.float64))[0])
         self.times = self.timesteps = self.intervals = None
         self._step_index = 0
 

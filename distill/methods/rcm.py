@@ -46,8 +46,9 @@ class ScoreRegularizedConsistencyDistillation(ContinuousTimeConsistencyDistillat
         critic_optimizer: Callable,
         lr_scheduler: Callable | None = None,
         critic_lr_scheduler: Callable | None = None,
-        dmd_weight: float = 0.01,  # the DMD term's weight against sCM's loss
-        critic_updates: int = 1,  # fake-score updates per student update
+        # the DMD term's weight against sCM's loss, per element (rCM's code: sCM's squared error x 100, DMD's x 1)
+        dmd_weight: float = 0.01,
+        critic_updates: int = 4,  # fake-score updates per student update (rCM's student_update_freq 5: 4 critic steps)
         dmd_time_min: float = 0.02,  # the DMD loss's times as fractions of the teacher's T (DMD2's 0.02, 0.98)
         dmd_time_max: float = 0.98,
         **scm,  # ContinuousTimeConsistencyDistillation's options
@@ -57,7 +58,7 @@ class ScoreRegularizedConsistencyDistillation(ContinuousTimeConsistencyDistillat
         if not 0.0 <= dmd_time_min < dmd_time_max <= 1.0:
             raise ValueError(f"method.dmd_time_min={dmd_time_min}, method.dmd_time_max={dmd_time_max}: fractions of T "
                              "with 0 <= min < max <= 1 (DMD2: 0.02, 0.98)")
-        fake_score = copy.deepcopy(teacher.denoiser).requires_grad_(True)
+        fake_score = copy.deepcopy(teacher.denoiser).float().requires_grad_(True)  # trained in float32
         super().__init__(teacher, student, optimizer, lr_scheduler, **scm)
         self.dmd_weight, self.dmd_time_min, self.dmd_time_max = dmd_weight, dmd_time_min, dmd_time_max
         self.real_guidance_scale, self.gan_critic_weight, self.critic_updates = self.guidance_scale, 0.0, critic_updates
@@ -108,11 +109,23 @@ class ScoreRegularizedConsistencyDistillation(ContinuousTimeConsistencyDistillat
         x_t = self.schedule.add_noise(x.detach(), torch.randn(x.shape, generator=generator).to(x), t)
         return dmd_loss(x, dmd_gradient(x, self.real_x0(x_t, t, cond, uncond), self.fake_x0(x_t, t, cond)))
 
+    def dmd_active(self) -> bool:
+        """Whether this step adds the DMD term: after the tangent warm-up, as rCM's code (iteration >
+        tangent_warmup), so that the consistency training is stable before the distribution matching pulls."""
+        return self.dmd_weight > 0 and self.global_step >= self.tangent_warmup_steps
+
     def loss(self, batch: dict, generator: torch.Generator | None = None) -> torch.Tensor:
+        """sCM's loss plus ``dmd_weight`` x 2 e^{w(t)} x the DMD loss. rCM's code adds the two as plain squared errors
+        at 100 : 1 per element; here sCM's term carries the learned weighting e^{w(t)} / D (whose optimum makes it
+        about D / ||g||^2) and DMD2's loss is 0.5 x an element mean, so the DMD term is scaled by 2 e^{w} (the batch
+        mean of the sCM times' weights, detached): the per-element gradient ratio of the two terms is then rCM's
+        ``dmd_weight`` whatever w has learned (unscaled, the DMD term faded as e^{w} grew towards D)."""
         terms = self.scm_terms(batch, generator)
         parts = {"scm_loss": self.scm_loss(terms)}
-        if self.dmd_weight > 0:
-            parts["dmd_loss"] = self.dmd_weight * self.dmd_term(terms["x0"], terms["cond"], terms["uncond"], generator)
+        if self.dmd_active():
+            scale = 2 * self.weighting(terms["t"]).detach().exp().mean()
+            parts["dmd_loss"] = self.dmd_weight * scale * self.dmd_term(terms["x0"], terms["cond"], terms["uncond"],
+                                                                        generator)
         self._parts = {k: v.detach() for k, v in parts.items()}
         return sum(parts.values())
 
