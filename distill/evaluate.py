@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.config.resolvers import register_resolvers
 from distill.config.schema import register_configs
+from distill.inference.parallel.group import ParallelError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     from distill.config.validate import missing_keys
     from distill.families.base import check_supported
     from distill.inference.loading import call_defaults, load_pipeline, pipeline_defaults
+    from distill.inference.parallel import start
     from distill.inference.schedulers import SCHEDULERS, check_scheduler_kind
     from distill.metrics.fid import describe
     from distill.metrics.quality_cost import PipelineSampler, build_evaluator
@@ -105,8 +109,15 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
     if cfg.null_prompts and guidance > 1:
         raise ValueError(f"null_prompts=true samples the empty prompt, where CFG at guidance_scale={guidance} would run "
                          "the same pass twice; set guidance_scale=1")
+    options = OmegaConf.to_container(cfg.parallel, resolve=True, enum_to_str=True)
+    accelerated = any(label != "none" for label, _ in accelerators)
+    parallel_kind = options.pop("kind")
+    parallel = start(pipe, parallel_kind, guidance, accelerated=accelerated, **options)
+    if parallel is not None and parallel.group.rank:  # every rank samples the same images: rank 0 writes the results
+        out_dir = Path(tempfile.mkdtemp(prefix=f"evaluate-rank{parallel.group.rank}-"))
     variant = "".join(f"+{name}" for name, on in (("qkv", cfg.fuse_qkv), ("channels_last", cfg.channels_last),
                                                      ("compile", cfg.compile)) if on)
+    variant += f"+{parallel_kind}_parallel" if parallel is not None else ""
     model = cfg.model_name or Path(str(cfg.pipeline)).name + variant + ("(null prompt)" if cfg.null_prompts else "")
     evaluator, floor, key = build_evaluator(eval_set, cfg.num_per_class, cfg.seed, cfg.cost_repeats)
     # The scheduler group's options (with any overrides) for its own scheduler; every other one of the
@@ -152,6 +163,11 @@ def sweep(cfg: DictConfig, out_dir: Path) -> list[dict]:
         "real_data_floor": floor["fid"] if floor else None, "real_data_floor_std": floor["fid_std"] if floor else None,
         "real_data_floor_metrics": floor, "fid_bootstrap": eval_set.fid_bootstrap,
     }, indent=2))
+    if parallel is not None:
+        parallel.group.close()
+        if parallel.group.rank:
+            shutil.rmtree(out_dir)
+            return rows
     print(table)
     print(f"results in {out_dir}")
     return rows
@@ -212,6 +228,9 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except ParallelError as err:  # a peer process died or timed out
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from distill.config.resolvers import register_resolvers
 from distill.config.schema import register_configs
@@ -47,6 +47,7 @@ def default_prompts(cfg: DictConfig) -> list[str]:
 def main(cfg: DictConfig) -> None:
     from distill.families import native_size
     from distill.inference.loading import call_defaults, load_pipeline, pipeline_defaults
+    from distill.inference.parallel import ParallelError, start
     from distill.inference.pipelines import DistillClassPipeline
     from distill.inference.schedulers import SCHEDULERS, make_scheduler, scheduler_options
     from distill.metrics.report import save_grid
@@ -72,14 +73,27 @@ def main(cfg: DictConfig) -> None:
     steps = cfg.num_inference_steps or defaults.get("num_inference_steps")
     step_kwargs = {"num_inference_steps": steps} if steps else {}  # else the pipeline's own default
     size = native_size(pipe)
+    options = OmegaConf.to_container(cfg.parallel, resolve=True, enum_to_str=True)
+    try:  # refused (exit 2) on every rank alike, before any process group exists
+        parallel = start(pipe, options.pop("kind"), guidance, **options)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     rows = []
-    start = time.perf_counter()
-    for prompt in prompts:
-        generator = torch.Generator().manual_seed(cfg.seed)
-        with global_rng_seeded_by(generator):  # a stock flow pipeline's scheduler steps draw from the global RNG
-            rows.append(pipe([prompt] * cfg.num_seeds, guidance_scale=guidance, height=size, width=size,
-                             generator=generator, output_type="pt", **step_kwargs).images * 2 - 1)
-    seconds = time.perf_counter() - start
+    begun = time.perf_counter()
+    try:
+        for prompt in prompts:
+            generator = torch.Generator().manual_seed(cfg.seed)
+            with global_rng_seeded_by(generator):  # a stock flow pipeline's scheduler steps draw from the global RNG
+                rows.append(pipe([prompt] * cfg.num_seeds, guidance_scale=guidance, height=size, width=size,
+                                 generator=generator, output_type="pt", **step_kwargs).images * 2 - 1)
+    except ParallelError as err:
+        sys.exit(f"error: {err}")
+    seconds = time.perf_counter() - begun
+    if parallel is not None:
+        parallel.group.close()
+        if parallel.group.rank:  # every rank sampled the same images: rank 0 writes them
+            return
     save_grid(torch.cat(rows), cfg.out, cfg.num_seeds, prompts, scale=cfg.upscale)
     n = len(prompts) * cfg.num_seeds
     print(f"{n} images, {steps or 'default'} steps, guidance {guidance}: {seconds:.1f} s -> {cfg.out}")

@@ -28,6 +28,7 @@ from distill.worlds import options as world_options
 SchedulerName = choice("SchedulerName", SCHEDULERS)
 MonitorMode = choice("MonitorMode", ("min", "max"))
 AcceleratorKind = choice("AcceleratorKind", ACCELERATORS.names())  # every registered accelerator (distill.accelerate)
+ParallelKind = choice("ParallelKind", ("none", "cfg", "asyncdiff"))  # distill.inference.parallel.KINDS
 
 # ---------------------------------------------------------------- data
 
@@ -168,6 +169,15 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Denoising spread over torchrun's processes (distill.inference.parallel; launch/parallel.sh)."""
+    kind: ParallelKind = ParallelKind.none  # cfg: the two guidance branches on 2 processes; asyncdiff: a component each
+    warmup_steps: int = 1  # asyncdiff: the first steps of each trajectory, run whole on every process
+    timeout_s: float = 120.0  # every collective: a dead or stuck process fails the others after this
+    backend: str | None = None  # default: nccl with CUDA, else gloo
+
+
+@dataclass
 class SampleConfig:
     pipeline: str = MISSING  # a diffusers pipeline folder or hub id
     out: str = "samples.png"
@@ -180,6 +190,7 @@ class SampleConfig:
     num_inference_steps: int | None = None  # default: the pipeline's distill.json, else the pipeline's own default
     guidance_scale: float | None = None  # default: the pipeline's distill.json, else its pipeline class's __call__ default
     upscale: int = 4
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # over torchrun's processes (conf/parallel)
 
 
 EVALUATE_STEPS = (1, 2, 4, 8, 25, 50)  # distill.evaluate's sweep for a pipeline without an intended step count
@@ -202,6 +213,7 @@ class EvaluateConfig:
     schedulers: list[str] | None = None  # several scheduler names in one sweep (overrides `scheduler`)
     accelerate: AccelerateConfig = field(default_factory=AccelerateConfig)  # a sampling accelerator (conf/accelerate)
     accelerators: list[str] | None = None  # several accelerator presets in one sweep (overrides `accelerate`)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # over torchrun's processes (conf/parallel)
     # sample from the empty prompt, each sample keeping its prompt's label (prompt accuracy then measures what a
     # guide such as accelerate=classifier steers alone: the classifier-guidance setting of an unconditional model)
     null_prompts: bool = False
@@ -281,6 +293,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "student": STUDENT_SCHEMAS,
     "scheduler": {"scheduler": SchedulerConfig},
     "accelerate": {"accelerate": AccelerateConfig},
+    "parallel": {"parallel": ParallelConfig},
     "eval": {"eval": EvalConfig},
     "trainer": {"trainer": TrainerConfig},
     "trainer/strategy": {"sharded": ShardedStrategyConfig},

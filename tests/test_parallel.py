@@ -1,0 +1,228 @@
+"""Denoising over processes (distill.inference.parallel), 2 CPU processes over gloo at 1 thread each: CFG parallel
+equals the single-process pipeline (UNet and flow teachers); AsyncDiff equals sequential sampling exactly while
+every step is a warm-up one, and with asynchronous steps equals the scheme re-done in one process, both ranks
+agreeing bitwise; a
+rank that dies fails the other with a clear message, no hang; bad settings refused before compute (exit 2)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distill.inference.parallel import ParallelError, balanced_split, check
+from distill.worlds import asset_path
+from tests.conftest import ROOT
+
+STEPS = 6
+PROMPTS = ["a handwritten digit three", "a handwritten digit seven"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pipeline(teacher: str):
+    from distill.inference.loading import load_pipeline
+    from distill.inference.schedulers import make_scheduler
+
+    pipe = load_pipeline(str(asset_path(teacher)))
+    pipe.set_progress_bar_config(disable=True)
+    if teacher == "teacher":  # DDIM, trailing spacing (the export's intended scheduler)
+        pipe.scheduler = make_scheduler("ddim", pipe.scheduler.config, timestep_spacing="trailing")
+    return pipe
+
+
+def _latents(pipe, guidance_scale: float = 3.0) -> torch.Tensor:
+    from distill.families import native_size
+
+    size = native_size(pipe)
+    generator = torch.Generator().manual_seed(0)
+    return pipe(PROMPTS, guidance_scale=guidance_scale, num_inference_steps=STEPS, height=size, width=size,
+                generator=generator, output_type="latent").images
+
+
+def _worker(rank: int, port: int, teacher: str, kind: str, warmup_steps: int, out: str, die_at: int | None) -> None:
+    """One of 2 ranks: sample ``teacher``'s latents with parallel ``kind``; rank 0 saves them to ``out``."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from distill.families import denoiser_of
+    from distill.inference.parallel import start
+
+    pipe = _pipeline(teacher)
+    parallel = start(pipe, kind, 3.0, warmup_steps=warmup_steps, timeout_s=20)
+    if die_at is not None and rank == 1:  # a rank that dies mid-trajectory, as a killed process does
+        calls = []
+        denoiser_of(pipe).register_forward_pre_hook(lambda *_: os._exit(9) if len(calls) == die_at else calls.append(1))
+    try:
+        latents = _latents(pipe)
+    except ParallelError as err:
+        Path(out).with_suffix(".err").write_text(str(err))
+        sys.exit(3)
+    torch.save(latents, Path(out).with_suffix(f".rank{rank}"))
+    torch.save(getattr(parallel, "owners", None), Path(out).with_suffix(".owners"))  # AsyncDiff's split
+    parallel.group.close()
+
+
+def _run2(tmp_path: Path, teacher: str, kind: str, warmup_steps: int = 1, die_at: int | None = None,
+          timeout: float = 90) -> list[int]:
+    """The 2 ranks as spawned processes; their exit codes."""
+    ctx = multiprocessing.get_context("spawn")
+    port, out = _free_port(), str(tmp_path / "latents")
+    procs = [ctx.Process(target=_worker, args=(rank, port, teacher, kind, warmup_steps, out, die_at))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return codes
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks' count: the reference is computed at the same intra-op thread count
+    yield
+    torch.set_num_threads(threads)
+
+
+def _sequential(teacher: str) -> torch.Tensor:
+    return _latents(_pipeline(teacher))
+
+
+@pytest.mark.parametrize("teacher", ["teacher", "flow_teacher"])
+def test_cfg_parallel_equals_single_process(tmp_path, one_thread, teacher):
+    assert _run2(tmp_path, teacher, "cfg") == [0, 0]
+    rank0, rank1 = (torch.load(tmp_path / f"latents.rank{r}") for r in range(2))
+    expected = _sequential(teacher)
+    assert torch.equal(rank0, rank1)  # both ranks step their schedulers on the same gathered prediction
+    assert rank0.shape == expected.shape == (2, *expected.shape[1:])
+    torch.testing.assert_close(rank0, expected, rtol=1e-5, atol=1e-5)  # measured 5e-6: each half a batch of 2
+    assert expected.abs().mean() > 0.1  # a real sample, not zeros
+
+
+def test_asyncdiff_all_warmup_equals_sequential_exactly(tmp_path, one_thread):
+    assert _run2(tmp_path, "teacher", "asyncdiff", warmup_steps=STEPS) == [0, 0]
+    assert torch.equal(torch.load(tmp_path / "latents.rank0"), _sequential("teacher"))
+
+
+def _emulated_asyncdiff(teacher: str, owners: list[int], warmup_steps: int) -> torch.Tensor:
+    """AsyncDiff on 2 components re-done in one process: each asynchronous call runs the denoiser twice, once
+    whole (rank 0's view: component 0 on this call's input, its block outputs kept for the next call), once with
+    component 0's blocks answering their outputs kept at the previous call (rank 1's view), whose prediction is
+    the call's."""
+    from distill.families import denoiser_of
+    from distill.inference.parallel import denoiser_blocks
+
+    pipe = _pipeline(teacher)
+    denoiser, state = denoiser_of(pipe), {"call": -1, "stale": False, "kept": {}, "fresh": {}}
+
+    def block_hook(i, module, args, out):
+        if owners[i] == 0:
+            if state["stale"]:
+                return state["kept"][i]
+            state["fresh"][i] = out
+        return None
+
+    for i, block in enumerate(denoiser_blocks(pipe)):
+        block.register_forward_hook(lambda *a, i=i: block_hook(i, *a))
+    whole = denoiser.forward
+
+    def forward(*args, **kwargs):
+        state["call"] += 1
+        out = whole(*args, **kwargs)
+        if state["call"] >= warmup_steps:
+            state["stale"] = True
+            out = whole(*args, **kwargs)
+            state["stale"] = False
+        state["kept"] = dict(state["fresh"])
+        return out
+
+    denoiser.forward = forward
+    return _latents(pipe)
+
+
+@pytest.mark.parametrize("teacher", ["teacher", "flow_teacher"])
+def test_asyncdiff_stale_steps_equal_the_scheme_redone_in_one_process(tmp_path, one_thread, teacher):
+    warmup = 2
+    assert _run2(tmp_path, teacher, "asyncdiff", warmup_steps=warmup) == [0, 0]
+    rank0, rank1 = (torch.load(tmp_path / f"latents.rank{r}") for r in range(2))
+    owners = torch.load(tmp_path / "latents.owners")
+    assert torch.equal(rank0, rank1)  # both step their schedulers on the last rank's prediction
+    assert sorted(set(owners)) == [0, 1] and owners == sorted(owners)  # two consecutive components
+    assert torch.equal(rank0, _emulated_asyncdiff(teacher, owners, warmup))
+    expected = _sequential(teacher)
+    error = ((rank0 - expected).norm() / expected.norm()).item()
+    assert 0.01 < error < 0.3, error  # 4 of 6 steps on stale inputs: measured 0.13 (UNet), 0.20 (flow)
+
+
+def test_a_dead_rank_fails_the_other_with_a_message(tmp_path):
+    start = time.monotonic()
+    codes = _run2(tmp_path, "teacher", "cfg", die_at=3, timeout=60)
+    assert codes == [3, 9], codes  # rank 1 killed itself at its 4th call; rank 0 stopped with ParallelError
+    assert time.monotonic() - start < 60
+    said = (tmp_path / "latents.err").read_text()
+    assert "rank 0 of 2: all_gather failed: a peer process died" in said, said
+
+
+def test_balanced_split():
+    assert balanced_split([1, 1, 1, 1], 2) == [0, 0, 1, 1]
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1, 1]  # 5 | 5
+    assert balanced_split([1, 1, 5, 1, 1, 1], 2) == [0, 0, 0, 1, 1, 1]  # 7 | 3 beats 2 | 8 and 8 | 2
+    assert balanced_split([1, 2, 3, 4, 5], 3) == [0, 0, 0, 1, 2]  # 6 | 4 | 5: the largest part as small as can be
+    assert balanced_split([3, 3], 2) == [0, 1]
+    with pytest.raises(ValueError, match="3 components of 2 blocks"):
+        balanced_split([1, 1], 3)
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    (("cfg", 2, 1.0), "parallel=cfg at guidance_scale=1: .* set guidance_scale > 1"),
+    (("cfg", 3, 3.0), "on 2 processes, not 3; launch with torchrun --nproc_per_node=2"),
+    (("asyncdiff", 1, 3.0), "there is 1; launch with torchrun"),
+    (("asyncdiff", 8, 3.0, 1, 7), "denoiser has 7 blocks; use at most 7 processes"),
+    (("asyncdiff", 2, 3.0, 0), "warmup_steps=0 must be >= 1"),
+    (("cfg", 2, 3.0, 1, None, True), "use accelerate=none"),
+])
+def test_bad_settings_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        check(*args)
+
+
+def _command(command: str, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(nproc)}  # torchrun's world size, no group yet
+    return subprocess.run([sys.executable, "-m", f"distill.{command}", "pipeline=${distill.asset:teacher}",
+                           *overrides], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize(("overrides", "nproc", "match"), [
+    (("parallel=cfg", "guidance_scale=1"), 2, "set guidance_scale > 1, or parallel=none"),
+    (("parallel=cfg",), 1, "on 2 processes, not 1; launch with torchrun --nproc_per_node=2"),
+    (("parallel=asyncdiff",), 8, "denoiser has 7 blocks; use at most 7 processes"),
+])
+def test_sample_command_refuses_before_compute(overrides, nproc, match):
+    done = _command("sample", "out=unused.png", *overrides, nproc=nproc)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert match in done.stderr, done.stderr[-2000:]
+    assert not (ROOT / "unused.png").exists()
+
+
+def test_evaluate_command_refuses_parallel_with_an_accelerator(tmp_path):
+    done = _command("evaluate", "parallel=cfg", "accelerate=deepcache", f"hydra.run.dir={tmp_path}", nproc=2)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "parallel=cfg hooks the denoiser as a training-free accelerator does; use accelerate=none" in done.stderr
+    assert not (tmp_path / "quality_cost.csv").exists()
