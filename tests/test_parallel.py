@@ -51,8 +51,10 @@ def _latents(pipe, guidance_scale: float = 3.0) -> torch.Tensor:
                 generator=generator, output_type="latent").images
 
 
-def _worker(rank: int, port: int, teacher: str, kind: str, warmup_steps: int, out: str, die_at: int | None) -> None:
-    """One of 2 ranks: sample ``teacher``'s latents with parallel ``kind``; rank 0 saves them to ``out``."""
+def _worker(rank: int, port: int, teacher: str, kind: str, warmup_steps: int, out: str, die_at: int | None,
+            hang: bool = False, timeout_s: float = 20) -> None:
+    """One of 2 ranks: sample ``teacher``'s latents with parallel ``kind``; rank 0 saves them to ``out``. Rank 1
+    dies (``hang``: stops answering) at its denoiser call ``die_at``."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -60,10 +62,16 @@ def _worker(rank: int, port: int, teacher: str, kind: str, warmup_steps: int, ou
     from distill.inference.parallel import start
 
     pipe = _pipeline(teacher)
-    parallel = start(pipe, kind, 3.0, warmup_steps=warmup_steps, timeout_s=20)
-    if die_at is not None and rank == 1:  # a rank that dies mid-trajectory, as a killed process does
+    parallel = start(pipe, kind, 3.0, warmup_steps=warmup_steps, timeout_s=timeout_s)
+    if die_at is not None and rank == 1:  # a rank that dies (or hangs) mid-trajectory
         calls = []
-        denoiser_of(pipe).register_forward_pre_hook(lambda *_: os._exit(9) if len(calls) == die_at else calls.append(1))
+
+        def fail(*_):
+            if len(calls) == die_at:
+                time.sleep(600) if hang else os._exit(9)
+            calls.append(1)
+
+        denoiser_of(pipe).register_forward_pre_hook(fail)
     try:
         latents = _latents(pipe)
     except ParallelError as err:
@@ -75,17 +83,19 @@ def _worker(rank: int, port: int, teacher: str, kind: str, warmup_steps: int, ou
 
 
 def _run2(tmp_path: Path, teacher: str, kind: str, warmup_steps: int = 1, die_at: int | None = None,
-          timeout: float = 90) -> list[int]:
-    """The 2 ranks as spawned processes; their exit codes."""
+          timeout: float = 90, **options) -> list[int | None]:
+    """The 2 ranks as spawned processes; their exit codes (None: still running at ``timeout``, then killed)."""
     ctx = multiprocessing.get_context("spawn")
     port, out = _free_port(), str(tmp_path / "latents")
-    procs = [ctx.Process(target=_worker, args=(rank, port, teacher, kind, warmup_steps, out, die_at))
+    procs = [ctx.Process(target=_worker, args=(rank, port, teacher, kind, warmup_steps, out, die_at), kwargs=options)
              for rank in range(2)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if any(p.exitcode for p in procs):  # one failed: the others get a few seconds to follow
+            deadline = min(deadline, time.monotonic() + 2)
+        time.sleep(0.1)
     codes = [p.exitcode for p in procs]
     for p in procs:
         if p.is_alive():
@@ -178,6 +188,15 @@ def test_a_dead_rank_fails_the_other_with_a_message(tmp_path):
     assert time.monotonic() - start < 60
     said = (tmp_path / "latents.err").read_text()
     assert "rank 0 of 2: all_gather failed: a peer process died" in said, said
+
+
+def test_a_hung_rank_fails_the_other_after_the_timeout(tmp_path):
+    start = time.monotonic()
+    codes = _run2(tmp_path, "teacher", "asyncdiff", warmup_steps=2, die_at=3, hang=True, timeout_s=4, timeout=35)
+    assert codes == [3, None], codes  # rank 0 gave up on the silent rank 1 (killed by the test 2 s later)
+    said = (tmp_path / "latents.err").read_text()
+    assert "rank 0 of 2: broadcast from rank 0 failed: a peer process died or did not answer within timeout_s=4 s" in said
+    assert time.monotonic() - start < 35
 
 
 def test_balanced_split():
