@@ -199,6 +199,21 @@ def test_a_hung_rank_fails_the_other_after_the_timeout(tmp_path):
     assert time.monotonic() - start < 35
 
 
+def test_asyncdiff_refuses_a_chain_out_of_run_order(one_thread):
+    from types import SimpleNamespace
+
+    from distill.families import denoiser_of
+    from distill.inference.parallel import AsyncDiff, denoiser_blocks
+
+    pipe = _pipeline("teacher")
+    blocks = denoiser_blocks(pipe)
+    assert len(blocks) == 22  # 3 down blocks, the mid block, 3 up blocks: their resnets, attentions and samplers
+    group = SimpleNamespace(rank=0, world_size=2)  # warm-up calls communicate nothing
+    AsyncDiff(group, STEPS, lambda: pipe.scheduler).enable(denoiser_of(pipe), blocks[::-1])
+    with pytest.raises(RuntimeError, match=r"ran in the order \[21, 20, .*not once each in the chain's order"):
+        _latents(pipe)
+
+
 def test_balanced_split():
     assert balanced_split([1, 1, 1, 1], 2) == [0, 0, 1, 1]
     assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1, 1]  # 5 | 5
@@ -231,7 +246,7 @@ def _command(command: str, *overrides: str, nproc: int = 1) -> subprocess.Comple
 @pytest.mark.parametrize(("overrides", "nproc", "match"), [
     (("parallel=cfg", "guidance_scale=1"), 2, "set guidance_scale > 1, or parallel=none"),
     (("parallel=cfg",), 1, "on 2 processes, not 1; launch with torchrun --nproc_per_node=2"),
-    (("parallel=asyncdiff",), 8, "denoiser has 7 blocks; use at most 7 processes"),
+    (("parallel=asyncdiff",), 23, "denoiser has 22 blocks; use at most 22 processes"),  # 7 blocks' 22 layers
 ])
 def test_sample_command_refuses_before_compute(overrides, nproc, match):
     done = _command("sample", "out=unused.png", *overrides, nproc=nproc)

@@ -48,11 +48,24 @@ def check(kind: str, processes: int, guidance_scale: float | None = None, warmup
 
 
 def denoiser_blocks(pipe) -> list:
-    """The pipeline's denoiser blocks in the order they run (its family's feature blocks, the UNet's mid block
-    included): what AsyncDiff splits into components."""
+    """The pipeline's denoiser as the chain of modules AsyncDiff splits, in the order they run: its family's
+    feature blocks (the UNet's mid block included), a UNet block taken apart into its resnets and attentions,
+    interleaved as its forward runs them (resnet 0, attention 0, resnet 1, ...), then its down- or upsamplers (a
+    finer chain balances the components better; the skip tensors a down block returns are these modules' outputs);
+    a transformer's blocks as they are."""
     from distill.families import denoiser_of, family_of
 
-    return list(family_of(pipe).feature_blocks(denoiser_of(pipe), mid_block=True).values())
+    chain = []
+    for block in family_of(pipe).feature_blocks(denoiser_of(pipe), mid_block=True).values():
+        resnets = list(getattr(block, "resnets", None) or [])
+        if not resnets:
+            chain.append(block)
+            continue
+        attentions = list(getattr(block, "attentions", None) or [])
+        for i, resnet in enumerate(resnets):
+            chain += [resnet, *attentions[i:i + 1]]
+        chain += list(getattr(block, "downsamplers", None) or []) + list(getattr(block, "upsamplers", None) or [])
+    return chain
 
 
 def enable(pipe, kind: str, group: Group, warmup_steps: int = 1):

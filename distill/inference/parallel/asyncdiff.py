@@ -88,6 +88,7 @@ class AsyncDiff:
         self.costs: list[float] = []
         self.cache: list[tuple[Any, list[torch.Tensor]] | None] = []  # each block's (structure, tensors)
         self.call, self._timesteps, self.warmup_calls = 0, None, 0
+        self.order: list[int] = []  # the blocks' calls of the current warm-up call, checked against the chain
 
     def enable(self, denoiser: torch.nn.Module, blocks: list[torch.nn.Module]) -> AsyncDiff:
         if not self.group.world_size <= len(blocks):
@@ -119,12 +120,16 @@ class AsyncDiff:
 
     def _call(self, forward, *args, **kwargs):
         self._follow()
+        self.order = []
         if not self.warm:
             if self.owners is None:
                 self._split()
             elif self.call > self.warmup_calls:  # at the first asynchronous call every rank holds the same caches
                 self._sync()
         result = forward(*args, **kwargs)
+        if self.warm and self.order != list(range(len(self.blocks))):
+            raise RuntimeError(f"AsyncDiff's blocks of {type(self.denoiser).__name__} ran in the order {self.order}, "
+                               "not once each in the chain's order: its split would cut the wrong places")
         if not self.warm:
             prediction = _prediction(result).contiguous()
             result = _with_prediction(result, self.group.broadcast(prediction, self.group.world_size - 1))
@@ -133,6 +138,7 @@ class AsyncDiff:
 
     def _block(self, i: int, forward, *args, **kwargs):
         if self.warm:
+            self.order.append(i)
             start = time.perf_counter()
             out = forward(*args, **kwargs)
             self.costs[i] = min(self.costs[i], time.perf_counter() - start)
