@@ -260,3 +260,22 @@ def test_evaluate_command_refuses_parallel_with_an_accelerator(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "parallel=cfg hooks the denoiser as a training-free accelerator does; use accelerate=none" in done.stderr
     assert not (tmp_path / "quality_cost.csv").exists()
+
+
+@pytest.mark.slow  # about 30 s: two command runs, one of them 2 processes under torchrun
+def test_launch_parallel_sh_cfg_grid_equals_the_one_process_grid(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    args = ["pipeline=${distill.asset:teacher}", "num_seeds=2", "prompts=[a handwritten digit four]",
+            "num_inference_steps=6", "upscale=1"]
+    env = {**os.environ, "PYTHON": sys.executable, "THREADS": "1"}
+    done = subprocess.run(["bash", str(ROOT / "launch" / "parallel.sh"), "sample", "parallel=cfg",
+                           f"out={tmp_path / 'cfg.png'}", *args], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("2 images, 6 steps, guidance 3.0") == 1, done.stdout  # rank 0 alone writes
+    one = _command("sample", f"out={tmp_path / 'one.png'}", *args)
+    assert one.returncode == 0, one.stderr[-3000:]
+    cfg, single = (np.asarray(Image.open(tmp_path / f"{name}.png"), dtype=np.int16) for name in ("cfg", "one"))
+    assert cfg.shape == single.shape and np.abs(cfg - single).max() <= 1  # 8-bit rounding of latents within 1e-5
