@@ -52,17 +52,17 @@ def _latents(pipe, guidance_scale: float = 3.0) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, teacher: str, kind: str, warmup_steps: int, out: str, die_at: int | None,
-            hang: bool = False, timeout_s: float = 20) -> None:
-    """One of 2 ranks: sample ``teacher``'s latents with parallel ``kind``; rank 0 saves them to ``out``. Rank 1
-    dies (``hang``: stops answering) at its denoiser call ``die_at``."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+            hang: bool = False, timeout_s: float = 20, world: int = 2, stride: int = 1) -> None:
+    """One of ``world`` ranks: sample ``teacher``'s latents with parallel ``kind``; each saves them to ``out``.
+    Rank 1 dies (``hang``: stops answering) at its denoiser call ``die_at``."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from distill.families import denoiser_of
     from distill.inference.parallel import start
 
     pipe = _pipeline(teacher)
-    parallel = start(pipe, kind, 3.0, warmup_steps=warmup_steps, timeout_s=timeout_s)
+    parallel = start(pipe, kind, 3.0, warmup_steps=warmup_steps, stride=stride, timeout_s=timeout_s)
     if die_at is not None and rank == 1:  # a rank that dies (or hangs) mid-trajectory
         calls = []
 
@@ -78,17 +78,19 @@ def _worker(rank: int, port: int, teacher: str, kind: str, warmup_steps: int, ou
         Path(out).with_suffix(".err").write_text(str(err))
         sys.exit(3)
     torch.save(latents, Path(out).with_suffix(f".rank{rank}"))
-    torch.save(getattr(parallel, "owners", None), Path(out).with_suffix(".owners"))  # AsyncDiff's split
+    if rank == 0:
+        torch.save(getattr(parallel, "owners", None), Path(out).with_suffix(".owners"))  # AsyncDiff's split
     parallel.group.close()
 
 
 def _run2(tmp_path: Path, teacher: str, kind: str, warmup_steps: int = 1, die_at: int | None = None,
           timeout: float = 90, **options) -> list[int | None]:
-    """The 2 ranks as spawned processes; their exit codes (None: still running at ``timeout``, then killed)."""
+    """The ranks (2, or ``world=``) as spawned processes; their exit codes (None: still running at ``timeout``,
+    then killed)."""
     ctx = multiprocessing.get_context("spawn")
     port, out = _free_port(), str(tmp_path / "latents")
     procs = [ctx.Process(target=_worker, args=(rank, port, teacher, kind, warmup_steps, out, die_at), kwargs=options)
-             for rank in range(2)]
+             for rank in range(options.get("world", 2))]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -178,7 +180,64 @@ def test_asyncdiff_stale_steps_equal_the_scheme_redone_in_one_process(tmp_path, 
     assert torch.equal(rank0, _emulated_asyncdiff(teacher, owners, warmup))
     expected = _sequential(teacher)
     error = ((rank0 - expected).norm() / expected.norm()).item()
-    assert 0.01 < error < 0.3, error  # 4 of 6 steps on stale inputs: measured 0.13 (UNet), 0.20 (flow)
+    assert 0.01 < error < 0.3, error  # 4 of 6 steps on stale inputs: measured 0.12 (UNet), 0.20 (flow)
+
+
+def _swap_timestep(args: tuple, kwargs: dict, value: float) -> tuple[tuple, dict]:
+    if len(args) > 1:  # a UNet's call: (sample, t, ...)
+        return (args[0], torch.full_like(args[1], value), *args[2:]), kwargs
+    return args, {**kwargs, "timestep": torch.full_like(kwargs["timestep"], value)}  # a transformer's, by name
+
+
+def _emulated_stride2_one_component(teacher: str, warmup_steps: int) -> torch.Tensor:
+    """AsyncDiff at stride 2 on 2 processes (one component and the extra rank) re-done in one process: a round's
+    first call predicts at its own latent and timestep (the extra rank's), its second call answers the network at
+    the first call's latent and the second call's timestep (rank 0's, computed during the first call)."""
+    from distill.families import denoiser_of
+
+    pipe = _pipeline(teacher)
+    denoiser, state = denoiser_of(pipe), {"call": -1, "kept": None}
+    whole = denoiser.forward
+
+    def forward(*args, **kwargs):
+        state["call"] += 1
+        call, timesteps = state["call"], pipe.scheduler.timesteps
+        if call < warmup_steps:
+            return whole(*args, **kwargs)
+        if (call - warmup_steps) % 2:
+            return state["kept"]
+        if call + 1 < len(timesteps):
+            next_args, next_kwargs = _swap_timestep(args, kwargs, timesteps[call + 1].item())
+            state["kept"] = whole(*next_args, **next_kwargs)
+        return whole(*args, **kwargs)
+
+    denoiser.forward = forward
+    return _latents(pipe)
+
+
+@pytest.mark.parametrize("teacher", ["teacher", "flow_teacher"])
+def test_asyncdiff_stride2_equals_the_scheme_redone_in_one_process(tmp_path, one_thread, teacher):
+    warmup = 1
+    assert _run2(tmp_path, teacher, "asyncdiff", warmup_steps=warmup, stride=2) == [0, 0]
+    rank0, rank1 = (torch.load(tmp_path / f"latents.rank{r}") for r in range(2))
+    assert torch.equal(rank0, rank1)
+    assert torch.equal(rank0, _emulated_stride2_one_component(teacher, warmup))
+    expected = _sequential(teacher)
+    error = ((rank0 - expected).norm() / expected.norm()).item()
+    assert 0.01 < error < 0.3, error  # measured 0.079 (UNet), 0.18 (flow) at these 6 steps
+
+
+@pytest.mark.slow  # about 25 s: 3 processes on 2 cores
+def test_asyncdiff_stride2_two_components_on_three_processes(tmp_path, one_thread):
+    assert _run2(tmp_path, "teacher", "asyncdiff", warmup_steps=STEPS, stride=2, world=3) == [0, 0, 0]
+    assert torch.equal(torch.load(tmp_path / "latents.rank0"), _sequential("teacher"))  # all warm-up: exact
+    assert _run2(tmp_path, "teacher", "asyncdiff", warmup_steps=3, stride=2, world=3) == [0, 0, 0]
+    latents = [torch.load(tmp_path / f"latents.rank{r}") for r in range(3)]
+    assert torch.equal(latents[0], latents[1]) and torch.equal(latents[0], latents[2])
+    assert sorted(set(torch.load(tmp_path / "latents.owners"))) == [0, 1]  # two components; rank 2 the extra
+    expected = _sequential("teacher")
+    error = ((latents[0] - expected).norm() / expected.norm()).item()
+    assert 0.01 < error < 0.4, error  # measured 0.26 (0.53 and 0.78 after 2 and 1 warm-up steps of these 6)
 
 
 def test_a_dead_rank_fails_the_other_with_a_message(tmp_path):
@@ -228,7 +287,9 @@ def test_balanced_split():
     (("cfg", 2, 1.0), "parallel=cfg at guidance_scale=1: .* set guidance_scale > 1"),
     (("cfg", 3, 3.0), "on 2 processes, not 3; launch with torchrun --nproc_per_node=2"),
     (("asyncdiff", 1, 3.0), "there is 1; launch with torchrun"),
-    (("asyncdiff", 8, 3.0, 1, 7), "denoiser has 7 blocks; use at most 7 processes"),
+    (("asyncdiff", 8, 3.0, 1, 7), "8 processes at stride 1: 8 components, and the denoiser has 7 blocks; use at most 7"),
+    (("asyncdiff", 9, 3.0, 1, 7, False, 2), "8 components, and the denoiser has 7 blocks; use at most 8 processes"),
+    (("asyncdiff", 3, 3.0, 1, 7, False, 3), "parallel.stride=3: AsyncDiff's stride is 1 or 2"),
     (("asyncdiff", 2, 3.0, 0), "warmup_steps=0 must be >= 1"),
     (("cfg", 2, 3.0, 1, None, True), "use accelerate=none"),
 ])
@@ -246,7 +307,7 @@ def _command(command: str, *overrides: str, nproc: int = 1) -> subprocess.Comple
 @pytest.mark.parametrize(("overrides", "nproc", "match"), [
     (("parallel=cfg", "guidance_scale=1"), 2, "set guidance_scale > 1, or parallel=none"),
     (("parallel=cfg",), 1, "on 2 processes, not 1; launch with torchrun --nproc_per_node=2"),
-    (("parallel=asyncdiff",), 23, "denoiser has 22 blocks; use at most 22 processes"),  # 7 blocks' 22 layers
+    (("parallel=asyncdiff",), 23, "the denoiser has 22 blocks; use at most 22 processes"),  # 7 blocks' 22 layers
 ])
 def test_sample_command_refuses_before_compute(overrides, nproc, match):
     done = _command("sample", "out=unused.png", *overrides, nproc=nproc)

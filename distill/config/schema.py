@@ -173,6 +173,7 @@ class ParallelConfig:
     """Denoising spread over torchrun's processes (distill.inference.parallel; launch/parallel.sh)."""
     kind: ParallelKind = ParallelKind.none  # cfg: the two guidance branches on 2 processes; asyncdiff: a component each
     warmup_steps: int = 1  # asyncdiff: the first steps of each trajectory, run whole on every process
+    stride: int = 1  # asyncdiff: 2 runs two steps a parallel round on one process more than components (1 or 2)
     timeout_s: float = 120.0  # every collective: a dead or stuck process fails the others after this
     backend: str | None = None  # default: nccl with CUDA, else gloo
 

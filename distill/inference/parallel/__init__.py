@@ -18,7 +18,7 @@ LAUNCH = "launch with torchrun --standalone --nproc_per_node=2 -m distill.<comma
 
 
 def check(kind: str, processes: int, guidance_scale: float | None = None, warmup_steps: int = 1,
-          num_blocks: int | None = None, accelerated: bool = False) -> None:
+          num_blocks: int | None = None, accelerated: bool = False, stride: int = 1) -> None:
     """Refuse a parallel setting that cannot work, naming the fix, before anything is sampled: ``processes`` is
     the world size torchrun gives, ``guidance_scale`` the sampling call's, ``num_blocks`` the denoiser's block
     count (asyncdiff; None: not known yet)."""
@@ -42,9 +42,12 @@ def check(kind: str, processes: int, guidance_scale: float | None = None, warmup
         if warmup_steps < 1:
             raise ValueError(f"parallel.warmup_steps={warmup_steps} must be >= 1: the first asynchronous step needs "
                              "every component's output of a sequential step")
-        if num_blocks is not None and processes > num_blocks:
-            raise ValueError(f"parallel=asyncdiff on {processes} processes: one component a process, and the "
-                             f"denoiser has {num_blocks} blocks; use at most {num_blocks} processes")
+        if stride not in (1, 2):
+            raise ValueError(f"parallel.stride={stride}: AsyncDiff's stride is 1 or 2")
+        if num_blocks is not None and processes - stride + 1 > num_blocks:
+            raise ValueError(f"parallel=asyncdiff on {processes} processes at stride {stride}: "
+                             f"{processes - stride + 1} components, and the denoiser has {num_blocks} blocks; use at "
+                             f"most {num_blocks + stride - 1} processes")
 
 
 def denoiser_blocks(pipe) -> list:
@@ -68,7 +71,7 @@ def denoiser_blocks(pipe) -> list:
     return chain
 
 
-def enable(pipe, kind: str, group: Group, warmup_steps: int = 1):
+def enable(pipe, kind: str, group: Group, warmup_steps: int = 1, stride: int = 1):
     """Parallel denoising ``kind`` on ``pipe``'s denoiser over ``group`` (its ``disable()`` undoes it); None for
     ``none``."""
     from distill.families import denoiser_of
@@ -79,21 +82,22 @@ def enable(pipe, kind: str, group: Group, warmup_steps: int = 1):
         pipe.to(group.device)
     if kind == "cfg":
         return CFGParallel(group).enable(denoiser_of(pipe))
-    return AsyncDiff(group, warmup_steps, lambda: pipe.scheduler).enable(denoiser_of(pipe), denoiser_blocks(pipe))
+    return AsyncDiff(group, warmup_steps, lambda: pipe.scheduler, stride).enable(denoiser_of(pipe),
+                                                                                denoiser_blocks(pipe))
 
 
 
 
-def start(pipe, kind: str, guidance_scale: float | None, warmup_steps: int = 1, timeout_s: float = 120.0,
-          backend: str | None = None, accelerated: bool = False):
+def start(pipe, kind: str, guidance_scale: float | None, warmup_steps: int = 1, stride: int = 1,
+          timeout_s: float = 120.0, backend: str | None = None, accelerated: bool = False):
     """A command's parallel setup on a loaded ``pipe``: the setting checked (``check``; ValueError before any
     process group exists, so that every rank refuses alike), then the process group and ``enable``. Returns what
     ``enable`` returns (its ``group``, ``disable()``; None for ``none``)."""
     check(kind, world_size(), guidance_scale, warmup_steps,
-          len(denoiser_blocks(pipe)) if kind == "asyncdiff" else None, accelerated)
+          len(denoiser_blocks(pipe)) if kind == "asyncdiff" else None, accelerated, stride)
     if kind == "none":
         return None
-    return enable(pipe, kind, Group(timeout_s, backend), warmup_steps)
+    return enable(pipe, kind, Group(timeout_s, backend), warmup_steps, stride)
 
 
 __all__ = ["KINDS", "AsyncDiff", "CFGParallel", "Group", "ParallelError", "balanced_split", "check",
