@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=3.0)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--stride", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -49,7 +50,8 @@ def main() -> None:
     pipe = load_pipeline(path)
     pipe.set_progress_bar_config(disable=True)
     pipe.scheduler = make_scheduler("ddim", pipe.scheduler.config, timestep_spacing="trailing")
-    parallel = start(pipe, args.parallel, args.guidance, warmup_steps=args.warmup_steps, timeout_s=60)
+    parallel = start(pipe, args.parallel, args.guidance, warmup_steps=args.warmup_steps, stride=args.stride,
+                     timeout_s=60)
     group = parallel.group if parallel is not None else None
     size = native_size(pipe)
     prompts = [f"a handwritten digit {d}" for d in ("zero", "one", "two", "three", "four", "five", "six", "seven",
@@ -85,6 +87,7 @@ def main() -> None:
                       "processes": group.world_size if group else 1, "threads": args.threads, "steps": args.steps,
                       "guidance_scale": args.guidance, "batch": args.batch,
                       "warmup_steps": args.warmup_steps if args.parallel == "asyncdiff" else None,
+                      "stride": args.stride if args.parallel == "asyncdiff" else None,
                       "ms_per_image": round(1e3 * median / args.batch, 2),
                       "ms_per_image_min": round(1e3 * min(seconds) / args.batch, 2), "rounds": args.rounds,
                       "owners": getattr(parallel, "owners", None), "latent_deviation": deviation}))
