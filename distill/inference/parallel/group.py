@@ -26,13 +26,14 @@ def rank() -> int:
 
 class Group:
     """The default process group, created from torchrun's environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``/``PORT``) with ``timeout_s`` on every collective; ``backend`` defaults to NCCL when CUDA is
-    available, else gloo. Its collectives raise ``ParallelError`` naming the rank, the collective and the
-    timeout."""
+    ``MASTER_ADDR``/``PORT``) with ``timeout_s`` on every collective (or the one the caller initialised);
+    ``backend`` defaults to NCCL when CUDA is available, else gloo. Its collectives raise ``ParallelError``
+    naming the rank, the collective and the timeout."""
 
     def __init__(self, timeout_s: float = 120.0, backend: str | None = None):
         self.timeout_s = timeout_s
-        if not dist.is_initialized():
+        self.owned = not dist.is_initialized()  # a group the caller made stays theirs to close
+        if self.owned:
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             if backend == "nccl":  # a timed-out NCCL collective raises here instead of the watchdog aborting
                 os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
@@ -64,5 +65,5 @@ class Group:
         self._run("barrier", dist.barrier)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if self.owned and dist.is_initialized():
             dist.destroy_process_group()
