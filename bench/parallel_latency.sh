@@ -20,4 +20,15 @@ for BATCH in ${BATCHES:-1 8}; do
       --parallel $PARALLEL --threads 1 "${common[@]}" 2>/dev/null | grep '^{' >> "$OUT"
   done
 done
-cat "$OUT"
+$PY - "$OUT" <<'TABLE'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print("| batch | setting | processes x threads | ms per image (median) | min | vs 1 process x 2 threads | latent deviation |")
+print("|---|---|---|---|---|---|---|")
+for row in rows:
+    base = next(r for r in rows if r["batch"] == row["batch"] and r["parallel"] == "none" and r["threads"] == 2)
+    name = row["parallel"] + (f" (stride {row['stride']}, warm-up {row['warmup_steps']})" if row["stride"] else "")
+    dev = "" if row["latent_deviation"] is None else f"{row['latent_deviation']:.2g}"
+    print(f"| {row['batch']} | {name} | {row['processes']} x {row['threads']} | {row['ms_per_image']:.1f} | "
+          f"{row['ms_per_image_min']:.1f} | {base['ms_per_image'] / row['ms_per_image']:.2f}x | {dev} |")
+TABLE
