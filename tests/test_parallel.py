@@ -340,3 +340,21 @@ def test_launch_parallel_sh_cfg_grid_equals_the_one_process_grid(tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     cfg, single = (np.asarray(Image.open(tmp_path / f"{name}.png"), dtype=np.int16) for name in ("cfg", "one"))
     assert cfg.shape == single.shape and np.abs(cfg - single).max() <= 1  # 8-bit rounding of latents within 1e-5
+
+
+@pytest.mark.slow  # about 30 s: the same small sweep on 2 processes (torchrun) and on one
+def test_launch_parallel_sh_evaluate_cfg_scores_as_one_process(tmp_path):
+    import csv
+
+    args = ["steps=[4]", "num_per_class=2", "grids=false", "cost_repeats=1"]
+    env = {**os.environ, "PYTHON": sys.executable, "THREADS": "1"}
+    done = subprocess.run(["bash", str(ROOT / "launch" / "parallel.sh"), "evaluate", "parallel=cfg",
+                           f"hydra.run.dir={tmp_path / 'cfg'}", *args], capture_output=True, text=True, env=env,
+                          timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = _command("evaluate", f"hydra.run.dir={tmp_path / 'one'}", *args)
+    assert one.returncode == 0, one.stderr[-3000:]
+    (cfg,), (single,) = (list(csv.DictReader(open(tmp_path / name / "quality_cost.csv"))) for name in ("cfg", "one"))
+    assert (cfg["model"], single["model"]) == ("teacher+cfg_parallel", "teacher")
+    for key in ("fid", "kid", "clip_score", "prompt_accuracy"):
+        assert float(cfg[key]) == pytest.approx(float(single[key]), rel=1e-3, abs=1e-3), key
