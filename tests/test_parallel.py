@@ -31,14 +31,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pipeline(teacher: str):
+def _pipeline(teacher: str, sampler: str = "ddim"):
     from distill.inference.loading import load_pipeline
     from distill.inference.schedulers import make_scheduler
 
     pipe = load_pipeline(str(asset_path(teacher)))
     pipe.set_progress_bar_config(disable=True)
-    if teacher == "teacher":  # DDIM, trailing spacing (the export's intended scheduler)
-        pipe.scheduler = make_scheduler("ddim", pipe.scheduler.config, timestep_spacing="trailing")
+    if teacher == "teacher":  # DDIM (else ``sampler``), trailing spacing (the export's intended scheduler)
+        pipe.scheduler = make_scheduler(sampler, pipe.scheduler.config, timestep_spacing="trailing")
     return pipe
 
 
@@ -52,7 +52,7 @@ def _latents(pipe, guidance_scale: float = 3.0) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, teacher: str, kind: str, warmup_steps: int, out: str, die_at: int | None,
-            hang: bool = False, timeout_s: float = 20, world: int = 2, stride: int = 1) -> None:
+            hang: bool = False, timeout_s: float = 20, world: int = 2, stride: int = 1, sampler: str = "ddim") -> None:
     """One of ``world`` ranks: sample ``teacher``'s latents with parallel ``kind``; each saves them to ``out``.
     Rank 1 dies (``hang``: stops answering) at its denoiser call ``die_at``."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -61,7 +61,7 @@ def _worker(rank: int, port: int, teacher: str, kind: str, warmup_steps: int, ou
     from distill.families import denoiser_of
     from distill.inference.parallel import start
 
-    pipe = _pipeline(teacher)
+    pipe = _pipeline(teacher, sampler)
     parallel = start(pipe, kind, 3.0, warmup_steps=warmup_steps, stride=stride, timeout_s=timeout_s)
     if die_at is not None and rank == 1:  # a rank that dies (or hangs) mid-trajectory
         calls = []
@@ -113,8 +113,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _sequential(teacher: str) -> torch.Tensor:
-    return _latents(_pipeline(teacher))
+def _sequential(teacher: str, sampler: str = "ddim") -> torch.Tensor:
+    return _latents(_pipeline(teacher, sampler))
 
 
 @pytest.mark.parametrize("teacher", ["teacher", "flow_teacher"])
@@ -131,6 +131,12 @@ def test_cfg_parallel_equals_single_process(tmp_path, one_thread, teacher):
 def test_asyncdiff_all_warmup_equals_sequential_exactly(tmp_path, one_thread):
     assert _run2(tmp_path, "teacher", "asyncdiff", warmup_steps=STEPS) == [0, 0]
     assert torch.equal(torch.load(tmp_path / "latents.rank0"), _sequential("teacher"))
+
+
+def test_asyncdiff_heun_all_warmup_equals_sequential_exactly(tmp_path, one_thread):
+    # warm-up counts steps: both network calls of each Heun step (11 calls for 6 steps) run whole
+    assert _run2(tmp_path, "teacher", "asyncdiff", warmup_steps=STEPS, sampler="heun") == [0, 0]
+    assert torch.equal(torch.load(tmp_path / "latents.rank0"), _sequential("teacher", "heun"))
 
 
 def _emulated_asyncdiff(teacher: str, owners: list[int], warmup_steps: int) -> torch.Tensor:
