@@ -7,11 +7,12 @@
 Per device and step of latent consistency distillation (student trained, teacher and EMA target frozen):
 
 - student: parameters (fp32 master weights), gradients (fp32), AdamW's two moments (fp32): 16 bytes a parameter;
-  DDP keeps all of it on every device; FSDP (full shard) keeps 1/N of it, plus the unsharded parameters of the
-  largest wrapped block while it computes (bf16: 2 bytes a parameter of that block), plus DDP's gradient
-  buckets are gone;
-- frozen copies: the teacher UNet and the EMA target, in bf16 (2 bytes a parameter each), whole on every device
-  under DDP, sharded under FSDP;
+  DDP keeps all of it on every device plus its gradient buckets (``BUCKETS``, 4 bytes a trained parameter); FSDP
+  (full shard) keeps 1/N of it, plus the unsharded parameters of the largest wrapped block while it computes (bf16:
+  2 bytes a parameter of that block), and no buckets;
+- frozen copies: the teacher UNet and the EMA target, in bf16 (2 bytes a parameter each: the teacher loaded with
+  ``teacher.torch_dtype=bfloat16``; loaded in float32 add 2 bytes a parameter), whole on every device under DDP,
+  sharded under FSDP;
 - activations saved for the backward pass of the student: counted exactly for the architecture by running one
   forward pass under PyTorch's FakeTensorMode (no memory, no compute) with a saved-tensors hook that adds up the
   bytes of every tensor autograd keeps, in bf16 autocast; per sample, times the per-device batch. With
@@ -50,6 +51,9 @@ FLUX = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, a
             axes_dims_rope=(16, 56, 56))
 FLUX_TOKENS = (4096, 512)
 GIB = 2**30
+# DDP's gradient buckets: with gradient_as_bucket_view=False (torch's default, which distill keeps) they hold a second
+# float32 copy of the trained gradients for the all-reduce, 4 bytes a trained parameter
+BUCKETS = 4
 
 
 def build(config: dict, device: str = "meta", checkpointing: bool = False):
@@ -169,9 +173,10 @@ DMD2_MODELS = {"sdxl": (lambda: build(SDXL), sdxl_inputs, "1024 px, 77 tokens"),
 
 def estimate_dmd2(name: str, fake: str, batch: int, rank: int = 64) -> dict:
     """Memory per device of one DMD2 step under DDP (a multi-role method is not sharded): the generator (a full
-    copy, trained: 16 bytes a parameter), the frozen teacher (bf16, 2 bytes), the fake score (``copy``: a second
-    trained full copy, 16 bytes a parameter; ``lora``: adapters of ``rank`` on the teacher's own network, 16 bytes
-    an adapter parameter) and the discriminator head (trained), plus the activations of the larger of the two
+    copy, trained: 16 bytes a parameter), the frozen teacher (bf16, 2 bytes: ``teacher.torch_dtype=bfloat16``), the
+    fake score (``copy``: a second trained full copy, 16 bytes a parameter; ``lora``: adapters of ``rank`` on the
+    teacher's own network, 16 bytes an adapter parameter) and the discriminator head (trained; both in float32
+    whatever the teacher's dtype), DDP's gradient buckets for every trained parameter, plus the activations of the larger of the two
     updates: the generator's (its own forward, and the fake score's forward that the GAN term back-propagates
     through into the sample) and the critic's (the fake score's one forward of 3 rows a sample: the denoising loss's
     and the GAN's real and fake rows). The real score runs without gradient (nothing saved)."""
@@ -194,7 +199,8 @@ def estimate_dmd2(name: str, fake: str, batch: int, rank: int = 64) -> dict:
     gan = per_sample_and_fixed(lambda n: saved_bytes_of(make().requires_grad_(False), lambda: inputs(n),
                                                         input_grad=True))
     critic = per_sample_and_fixed(lambda n: saved_bytes_of(critic_net(), lambda: inputs(3 * n)))
-    states = 16 * params + 2 * params + fake_state
+    trained_fake = fake_state // 16
+    states = 16 * params + 2 * params + fake_state + BUCKETS * (params + trained_fake)
     generator_step = tuple(a + b for a, b in zip(generator, gan, strict=True))
     totals = {"generator": generator_step[1] + batch * generator_step[0], "critic": critic[1] + batch * critic[0]}
     larger = max(totals, key=totals.get)
@@ -226,7 +232,7 @@ def estimate(name: str, devices: int, batch: int, checkpointing: bool) -> dict:
     params = sum(p.numel() for p in unet.parameters())
     acts, fixed = per_sample_and_fixed(lambda n: saved_bytes(build(config, checkpointing=checkpointing), n, tokens))
     trained, frozen = 16 * params, 2 * 2 * params  # student state; teacher + EMA target in bf16
-    ddp = trained + frozen + fixed + batch * acts
+    ddp = trained + BUCKETS * params + frozen + fixed + batch * acts
     fsdp = (trained + frozen) / devices + 2 * largest_block(unet) + fixed + batch * acts
     return {"model": name, "params_m": params / 1e6, "devices": devices, "batch_per_device": batch,
             "checkpointing": checkpointing, "activations_gib_per_sample": acts / GIB,
