@@ -30,7 +30,7 @@ COMPOSITION_ERRORS = [
     (["method.prediction_type=flow"],
      ["full_key: method.prediction_type", "Invalid value 'flow', expected one of [epsilon, sample, v_prediction]"]),
     (["scheduler.name=plms"],
-     ["full_key: scheduler.name", "'plms', expected one of [ddpm, ddim, dpmsolver, unipc, euler, heun, lcm, tcd, cm, flow_euler, flow_lcm]"]),
+     ["full_key: scheduler.name", "'plms', expected one of [ddpm, ddim, dpmsolver, unipc, euler, heun, lcm, tcd, cm, flow_euler, flow_lcm, trigflow, flow_trigflow, meanflow, flow_meanflow]"]),
     (["student.size=huge"], ["full_key: student.size", "'huge', expected one of [debug, tiny, small, base]"]),
     (["+exp=consistency", "method.loss_type=l1"],
      ["full_key: method.loss_type", "'l1', expected one of [l2, huber, pseudo_huber, pseudo_huber_elementwise]"]),

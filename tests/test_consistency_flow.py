@@ -189,7 +189,7 @@ def test_a_vp_scheduler_on_the_flow_teacher_is_refused_at_construction(sd3_dir):
     from distill.methods.consistency import LatentConsistencyDistillation
     from distill.students.copies import copy_student
 
-    with pytest.raises(ValueError, match=r"scheduler.name: 'lcm' steps a discrete VP .* \['flow_euler', 'flow_lcm'\]"):
+    with pytest.raises(ValueError, match=r"scheduler.name: 'lcm' steps a discrete VP .* \['flow_euler', 'flow_lcm', 'flow_trigflow', 'flow_meanflow'\]"):
         LatentConsistencyDistillation(load_teacher(str(sd3_dir)), copy_student, optimizer=torch.optim.SGD)
     with pytest.raises(ValueError, match="time_cond_proj_dim=256: the teacher's SD3Transformer2DModel has no"):
         copy_student(load_teacher(str(sd3_dir)).denoiser, 256)

@@ -193,7 +193,7 @@ def test_ict_and_a_vp_scheduler_on_the_flow_teacher_are_refused(sd3_dir):
 
     with pytest.raises(ValueError, match="method.variant=ict on the flow-matching teacher .*use method.variant=ect"):
         _method(sd3_dir, variant="ict", build=fresh_student)
-    with pytest.raises(ValueError, match=r"'lcm' steps a discrete VP .* \['flow_euler', 'flow_lcm'\]"):
+    with pytest.raises(ValueError, match=r"'lcm' steps a discrete VP .* \['flow_euler', 'flow_lcm', 'flow_trigflow', 'flow_meanflow'\]"):
         _method(sd3_dir, sampling={"name": "lcm", "num_inference_steps": 2, "guidance_scale": 1.0})
 
 

@@ -237,7 +237,7 @@ def test_evaluate_refuses_a_vp_scheduler_on_the_flow_teacher(sd3_dir, tmp_path):
         [sys.executable, "-m", "distill.evaluate", f"pipeline={sd3_dir}", "schedulers=[ddim]", "steps=[2]",
          f"hydra.run.dir={tmp_path / 'bad'}"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert bad.returncode == 2, bad.stderr[-2000:]
-    assert "schedulers: 'ddim' steps a discrete VP" in bad.stderr and "['flow_euler', 'flow_lcm']" in bad.stderr
+    assert "schedulers: 'ddim' steps a discrete VP" in bad.stderr and "['flow_euler', 'flow_lcm', 'flow_trigflow', 'flow_meanflow']" in bad.stderr
     assert not (tmp_path / "bad" / "quality_cost.csv").exists()
 
 

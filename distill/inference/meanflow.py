@@ -25,7 +25,7 @@ from distill.diffusion import to_x0_eps
 from distill.diffusion.meanflow import meanflow_step
 from distill.diffusion.schedules import vp_sigmas, vp_timestep
 from distill.families.sd3 import DistillSD3Pipeline
-from distill.inference.pipelines import DistillTextToImagePipeline
+from distill.inference.intended_call import DistillTextToImagePipeline
 from distill.models.meanflow import interval_condition
 
 
