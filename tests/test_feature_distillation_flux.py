@@ -314,11 +314,12 @@ def test_the_config_check_refuses_a_method_resolution_apart_from_the_data(flux_d
                                                  "method.resolution=32"))
 
 
-SLOW = pytest.mark.slow  # a CLI run each (~20 s); the pruned student's run is their fast equivalent
+SLOW = pytest.mark.slow  # a CLI run each (~16-20 s); the default suite's fast equivalents: the shallow student's CLI run
+# above and tests/test_prune_transformer.py (pruned Flux stand-in exported and reloaded in a fresh process)
 
 
 @pytest.mark.parametrize("student, cls", [
-    ("pruned", "PrunedFluxTransformer2DModel"),
+    pytest.param("pruned", "PrunedFluxTransformer2DModel", marks=SLOW),
     pytest.param("lowrank", "LowRankFluxTransformer2DModel", marks=SLOW),
     pytest.param("depth_pruned", "FluxTransformer2DModel", marks=SLOW),
     # its group's default adds a guidance input, which a transformer has no place for (refused, naming this fix)
