@@ -35,7 +35,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from distill.config.resolvers import register_resolvers
 from distill.config.schema import register_configs
-from distill.inference.parallel.group import ParallelError
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +218,9 @@ def sanity(cfg: DictConfig, out_dir: Path) -> list[dict]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
+    # imported here: torch.distributed is not a start-up import of a command that may refuse its config first
+    from distill.inference.parallel.group import ParallelError
+
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         if cfg.sanity:
