@@ -51,13 +51,14 @@ def run_cli(cmd: list[str], capture_output: bool = False, text: bool = False, cw
     return subprocess.run(cmd, capture_output=capture_output, text=text, cwd=cwd, env=env, timeout=timeout)
 
 
-def run_train(*overrides: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
+def run_train(*overrides: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600,
+              fresh: bool = False):
     """Run ``python -m distill.train`` as users do; returns the CompletedProcess (a fork of an interpreter that has
-    done the imports where the environment allows: tests/forkserver.py)."""
+    done the imports where the environment allows, a fresh interpreter when ``fresh``: tests/forkserver.py)."""
     from tests.forkserver import run_module
 
     full_env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", **(env or {})}
-    return run_module("distill.train", list(overrides), cwd or ROOT, full_env, timeout)
+    return run_module("distill.train", list(overrides), cwd or ROOT, full_env, timeout, fresh=fresh)
 
 
 @pytest.fixture

@@ -160,11 +160,11 @@ def test_every_switch_trains_and_resumes_bit_identically(tmp_path):
 def test_compiled_student_and_frozen_networks_train_and_resume(tmp_path):
     base = [*LCM, "method.compile=true", "trainer.max_steps=3", "method.lr_scheduler.total_steps=3", "logger=csv",
             f"hydra.run.dir={tmp_path / 'run'}"]
-    first = run_train(*base, "trainer.max_steps=2", timeout=1200)
+    first = run_train(*base, "trainer.max_steps=2", timeout=1200, fresh=True)
     assert first.returncode == 0, first.stderr[-3000:]
     state = safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["state_dict"]
     assert not any("_orig_mod" in k for k in state)  # compiled in place: the checkpoint keys are the plain ones
-    second = run_train(*base, "ckpt_path=last", timeout=1200)
+    second = run_train(*base, "ckpt_path=last", timeout=1200, fresh=True)
     assert second.returncode == 0, second.stderr[-3000:]
     assert safe_load(tmp_path / "run" / "checkpoints" / "last.ckpt")["global_step"] == 3
 
