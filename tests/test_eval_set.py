@@ -318,7 +318,7 @@ def test_evaluate_any_pipeline_on_a_captioned_folder(world, tmp_path):
         assert float(r["fid"]) > 0 and float(r["fid_std"]) > 0 and r["prompt_accuracy"] == ""  # no labels
     protocol = json.loads((out / "protocol.json").read_text())
     assert set(protocol["prompts"]) <= world["captions"] and protocol["num_samples"] == 2 * len(protocol["prompts"])
-    assert protocol["feature"] == f"{world['vision']}" and protocol["metrics"] == ["fid", "kid", "clip_score"]
+    assert protocol["feature"] == f"{world['vision']}" and protocol["metrics"] == ["fid", "kid", "clip_score", "precision", "coverage"]
     assert math.isfinite(protocol["real_data_floor"])
     grids = sorted((out / "grids").glob("*.png"))
     assert len(grids) == 2 and all(set(grid_prompts(g)) <= world["captions"] for g in grids)

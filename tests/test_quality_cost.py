@@ -50,12 +50,13 @@ def test_evaluate_command_writes_table_csv_plot_and_grids(tiny_sd, tmp_path):
         measured = [float(r[k]) for k in ("fid", "fid_std", "clip_score", "clip_score_std", "prompt_accuracy")]
         assert measured == pytest.approx(before[r["steps"]], rel=1e-4)
         assert 0 < float(r["kid_std"]) and abs(float(r["kid"])) < 1e3
+        assert 0 <= float(r["coverage"]) <= 1 and 0 < float(r["coverage_std"]) < 0.5  # 20 samples, 360 balls
     assert "±" in (out / "table.md").read_text()
     assert (out / "pareto.png").stat().st_size > 1000
     assert len(list((out / "grids").glob("tiny-*.png"))) == 4
     protocol = json.loads((out / "protocol.json").read_text())
     assert protocol["num_samples"] == 20 and protocol["eval"] == "digits" and protocol["metrics"] == [
-        "fid", "kid", "clip_score", "prompt_accuracy"]
+        "fid", "kid", "clip_score", "prompt_accuracy", "precision", "coverage"]
     assert (protocol["real_data_floor"], protocol["real_data_floor_std"]) == pytest.approx(
         (8.856545011544767, 1.3143815379493742), rel=1e-5)  # as before (float32 features: ~1e-7 run to run)
     assert "real-data floor" in proc.stdout

@@ -135,7 +135,7 @@ def test_an_unknown_name_is_refused_naming_the_registered_ones():
     with pytest.raises(ValueError, match=r"accelerate.kind='cache' is unknown; use one of \['classifier', 'deepcache'"):
         make_accelerator("cache")
     with pytest.raises(ValueError, match=r"eval.metrics=\['fid', 'fdd'\] holds unknown \['fdd'\]; use some of "
-                                         r"\['clip_score', 'fid', 'fid_clip'"):
+                                         r"\['clip_score', 'coverage', 'fid', 'fid_clip'"):
         EvalSet("toy", prompts=["a"], metrics=["fid", "fdd"])
     # the command line: Hydra refuses a kind outside the registered ones at composition, naming them
     register_configs()
@@ -288,7 +288,8 @@ def test_a_registered_metric_reaches_the_metric_sanity_suite(toy_metric):
     assert toy == pytest.approx(by_hand, abs=1e-6) and toy[0.0] < toy[0.2] < toy[0.4]  # float32 per image
     keys = {(r["space"], r["distance"]) for r in rows}  # the built-in metrics beside it, as before
     assert keys == {("feature", "fid"), ("feature", "kid"), ("classifier", "prompt_accuracy_drop"),
-                    ("pixels", "fid"), ("pixels", "kid"), ("images", "toy")}
+                    ("pixels", "fid"), ("pixels", "kid"), ("images", "toy"), ("feature", "precision_drop"),
+                    ("feature", "coverage_drop")}
 
 
 def test_a_registered_metric_reaches_the_hparams_dashboard(toy_metric):

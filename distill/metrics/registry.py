@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -197,6 +198,50 @@ class CLIPKIDMetric(KIDMetric):
     """KID in the CLIP model's image embedding (``eval.extra_features=[clip]``)."""
 
     name, label, needs, space = "kid_clip", "KID-clip", ("features:clip",), "clip"
+
+
+# Fidelity and diversity on k-NN manifolds of the FID's feature space (``distill.metrics.manifold``): precision (the
+# share of samples inside the real data's neighbourhoods) and coverage (the share of real neighbourhoods reached).
+
+_RADII: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FID -> its reference's k-NN radii, computed once
+
+
+class _ManifoldMetric(Metric):
+    """Precision or coverage against the reference features, k = ``manifold.NEAREST_K``; std and paired replicates:
+    the evaluation's shared stratified bootstrap over the samples (the real balls fixed, as FID's reference)."""
+
+    needs, real_data, higher_is_better = ("feature",), True, True
+    space: ClassVar[str] = "feature"
+    index: ClassVar[int]  # 0: precision, 1: coverage
+
+    def __call__(self, samples: Samples) -> Estimate:
+        from distill.metrics.manifold import precision_and_coverage, real_fake_distances, real_radii
+
+        fid = self.eval_set.fid(self.space)
+        if fid.reference_features is None:
+            return Estimate(math.nan, math.nan)  # statistics-only reference (.npz without features)
+        if fid not in _RADII:
+            _RADII[fid] = real_radii(fid.reference_features)
+        radii = _RADII[fid]
+        distances = real_fake_distances(fid.reference_features, samples.features(fid))
+        replicates = bootstrap_replicates(lambda i: precision_and_coverage(distances, radii, i)[self.index],
+                                          samples.strata, self.eval_set.fid_bootstrap, self.seed)
+        return Estimate(precision_and_coverage(distances, radii)[self.index], float(replicates.std()), replicates)
+
+
+@register_metric
+class PrecisionMetric(_ManifoldMetric):
+    """Precision (Kynkäänniemi et al. 2019): the share of samples inside a real feature's k-NN ball."""
+
+    name, label, index = "precision", "prec", 0
+
+
+@register_metric
+class CoverageMetric(_ManifoldMetric):
+    """Coverage (Naeem et al. 2020): the share of real features whose k-NN ball holds a sample; a collapsed
+    generator loses it while its precision and prompt accuracy stay high."""
+
+    name, label, index = "coverage", "cov", 1
 
 
 def build_metrics(eval_set, seed: int = 0) -> list[Metric]:
