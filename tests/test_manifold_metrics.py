@@ -94,3 +94,22 @@ def test_a_statistics_only_reference_gives_nan():
 
     estimate = _metric("coverage", None)(Samples(torch.randn(10, 4), [""] * 10, None, torch.zeros(10)))
     assert math.isnan(estimate.value) and math.isnan(estimate.std)
+
+
+def test_on_real_digits_coverage_falls_by_the_share_of_dropped_classes_and_precision_stays():
+    """The metric sanity suite on the held-out digits (180 reference, 180 probes): dropping a fraction f of the
+    classes (the kept probes repeated) leaves every probe real, so precision stays, and leaves the dropped classes'
+    balls empty, so coverage falls by f; a within-class collapse to a tenth of the images lowers coverage too,
+    where prompt accuracy cannot see it."""
+    from distill.metrics.sanity import DEGRADATIONS, SanitySuite
+    from tests.test_eval_set import instantiate_eval
+
+    suite = SanitySuite(instantiate_eval("eval=digits", "eval.clip=null", cache_dir=None), max_images=720, seed=0)
+    want = {"drop_classes": [0.2, 0.5], "collapse": [0.9]}
+    rows = suite.run({name: want.get(name, []) for name in DEGRADATIONS})
+    value = {(r["degradation"], r["strength"], r["distance"]): r["value"] for r in rows}
+    for f in (0.2, 0.5):
+        assert value["drop_classes", f, "coverage_drop"] == pytest.approx(f, abs=0.03)
+        assert abs(value["drop_classes", f, "precision_drop"]) < 0.05
+    assert value["collapse", 0.9, "coverage_drop"] > 0.4 and abs(value["collapse", 0.9, "precision_drop"]) < 0.05
+    assert value["collapse", 0.9, "prompt_accuracy_drop"] == pytest.approx(0.0, abs=0.02)

@@ -187,10 +187,11 @@ def test_pixel_fid_reaches_the_quality_cost_rows_and_floor(tmp_path):
     from distill.metrics.report import format_table
 
     plain = QualityCostEvaluator(instantiate_eval("eval=digits", "eval.clip=null", cache_dir=str(tmp_path)), 3)
-    assert [m.name for m in plain.metrics] == ["fid", "kid", "prompt_accuracy"]  # off unless selected
+    assert [m.name for m in plain.metrics] == ["fid", "kid", "prompt_accuracy", "precision", "coverage"]  # no extra spaces
     eval_set = instantiate_eval("eval=digits", "eval.clip=null", "eval.extra_features=[pixels]", cache_dir=str(tmp_path))
     evaluator = QualityCostEvaluator(eval_set, num_per_class=3)
-    assert [m.name for m in evaluator.metrics] == ["fid", "kid", "prompt_accuracy", "fid_pixels", "kid_pixels"]
+    assert [m.name for m in evaluator.metrics] == ["fid", "kid", "prompt_accuracy", "fid_pixels", "kid_pixels", "precision",
+                                                   "coverage"]
     images = eval_set.heldout()[0][:30].flip(-1)  # mirrored real digits
     row = evaluator.quality(images)
     pooled = [F.adaptive_avg_pool2d(x, 8).flatten(1) for x in (eval_set.heldout()[0], images)]
@@ -235,13 +236,14 @@ def test_sanity_command_writes_csv_table_verdicts_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "sanity.csv")))
     keys = {(r["space"], r["distance"]) for r in rows}
-    assert keys == {("feature", "fid"), ("feature", "kid"), ("pixels", "fid"), ("pixels", "kid"), ("classifier", "prompt_accuracy_drop")}
-    assert [(r["degradation"], float(r["strength"])) for r in rows[::5]] == [
+    assert keys == {("feature", "fid"), ("feature", "kid"), ("pixels", "fid"), ("pixels", "kid"),
+                    ("classifier", "prompt_accuracy_drop"), ("feature", "precision_drop"), ("feature", "coverage_drop")}
+    assert [(r["degradation"], float(r["strength"])) for r in rows[::7]] == [
         ("clean", 0.0), ("noise", 0.1), ("noise", 0.4), ("drop_classes", 0.5)]
     noisy = {(r["strength"], r["space"], r["distance"]): float(r["value"]) for r in rows if r["degradation"] != "drop_classes"}
     assert noisy["0.4", "feature", "fid"] > noisy["0.1", "feature", "fid"] > noisy["0.0", "feature", "fid"] > 0
     verdict = {(r["degradation"], r["space"], r["distance"]): r["verdict"] for r in csv.DictReader(open(out / "sanity_verdicts.csv"))}
-    assert verdict["noise", "feature", "fid"] == "monotone" and len(verdict) == 10
+    assert verdict["noise", "feature", "fid"] == "monotone" and len(verdict) == 14
     table = (out / "sanity.md").read_text()
     assert "| noise | 0.4 |" in table and "| drop_classes | monotone" in table and table in proc.stdout
     with Image.open(out / "sanity.png") as plot:
