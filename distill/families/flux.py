@@ -151,7 +151,7 @@ class FluxFamily(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     # their time grids and exports at the training resolution's shift (resolution_shift)
-    methods = ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2")
+    methods = ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2", "scm", "rcm")
     flow_matching = True
     classifier_free_guidance = False  # FluxPipeline passes guidance_scale to the transformer (guidance_input)
     resolution_shift = True  # FluxPipeline shifts by mu of the packed token count (shift_mu)

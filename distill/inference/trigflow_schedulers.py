@@ -121,7 +121,9 @@ class TrigFlowScheduler(_TrigFlowSteps, SchedulerMixin, ConfigMixin):
 class FlowMatchTrigFlowScheduler(_TrigFlowSteps, SchedulerMixin, ConfigMixin):
     """sCM sampling of a flow-matching network (velocity at timestep 1000 s) trained as a TrigFlow consistency model
     with ``sigma_data``: TrigFlow time t is flow time s = sigma_d sin t / (cos t + sigma_d sin t), t_max = pi/2 (s = 1).
-    The flow scheduler's ``shift`` is accepted and not applied: the times are the student's own."""
+    The flow scheduler's ``shift`` is accepted and not applied: the times are the student's own. So are the ``sigmas``
+    and ``mu`` that ``FluxPipeline`` passes to ``set_timesteps`` (linspace(1, 1 / N, N) and its resolution shift): only
+    their count N is read."""
 
     _compatibles = ["FlowMatchEulerDiscreteScheduler", "FlowMatchLCMScheduler"]
 
@@ -133,12 +135,17 @@ class FlowMatchTrigFlowScheduler(_TrigFlowSteps, SchedulerMixin, ConfigMixin):
         self.timesteps = torch.tensor([])
 
     def set_timesteps(self, num_inference_steps: int | None = None, device: str | torch.device | None = None,
-                      **kwargs) -> None:
-        """timesteps: 1000 s(t) of the TrigFlow times pi/2, intermediate_times[:N - 1]."""
-        self._begin(num_inference_steps, math.pi / 2)
+                      sigmas: list[float] | None = None, mu: float | None = None, **kwargs) -> None:
+        """timesteps: 1000 s(t) of the TrigFlow times pi/2, intermediate_times[:N - 1]; N = len(sigmas) where only
+        sigmas are given (FluxPipeline's call)."""
+        self._begin(len(sigmas) if num_inference_steps is None and sigmas is not None else num_inference_steps,
+                    math.pi / 2)
         _, s = tf.flow_view(self.trigflow_times, self.config.sigma_data)
         self.sigmas = s.float().to(device)
         self.timesteps = (s * self.config.num_train_timesteps).float().to(device)
+
+    def set_begin_index(self, begin_index: int = 0) -> None:
+        """FluxPipeline's call sets it; the steps always run from the first time."""
 
     def scale_model_input(self, sample: torch.Tensor, timestep=None) -> torch.Tensor:
         return sample

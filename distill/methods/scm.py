@@ -1,5 +1,6 @@
 """Continuous-time consistency distillation, sCD (Lu & Song 2024, "Simplifying, Stabilizing and Scaling
-Continuous-Time Consistency Models", arXiv 2410.11081), on a VP (SD UNet) or flow-matching (SD3 transformer) teacher.
+Continuous-Time Consistency Models", arXiv 2410.11081), on a VP (SD UNet) or flow-matching (SD3, Flux transformer)
+teacher.
 
 TrigFlow (``distill.diffusion.trigflow``): x_t = cos(t) x0 + sin(t) z, z ~ N(0, sigma_d^2 I); the consistency function
 f(x_t, t) = cos(t) x_t - sin(t) sigma_d F(x_t, t). The student is a copy of the teacher's network read through the
@@ -12,7 +13,8 @@ One training step (sCM Algorithm 1, sCD):
 
 - sigma ~ lognormal(p_mean, p_std) truncated to the teacher's noise range, t = arctan(sigma / sigma_d);
 - dx_t/dt = sigma_d F_teacher(x_t, t), the teacher's classifier-free guided prediction at ``guidance_scale``
-  converted to TrigFlow (with ``teacher_free``: the path's own cos(t) z - sin(t) x0, sCT);
+  converted to TrigFlow (a teacher with FLUX.1-dev's guidance embedding: one pass at that guidance input, and the
+  student is called at the same input; with ``teacher_free``: the path's own cos(t) z - sin(t) x0, sCT);
 - F-, dF-/dt of the student under stop-gradient by ``torch.func.jvp`` with tangent (dx_t/dt, 1) (``method.jvp=
   finite_difference``: a central difference instead, ``distill.diffusion.jvp``);
 - g = -cos^2(t) (sigma_d F- - dx_t/dt) - r cos(t) sin(t) (x_t + sigma_d dF-/dt), r = min(1, step / H) (tangent warm-up),
@@ -21,7 +23,9 @@ One training step (sCM Algorithm 1, sCD):
   with the student (one optimizer; checkpointed with it).
 
 Sampling (``TrigFlowScheduler`` / ``FlowMatchTrigFlowScheduler``): f at t_max (the teacher's largest noise level; pi/2 on
-flow), and for two steps f again after re-noising to the paper's intermediate t = 1.1; one network call per step.
+flow), and for two steps f again after re-noising to the paper's intermediate t = 1.1; one network call per step. On
+Flux (a resolution shift) the times are not shifted (the consistency function is learned on sCM's own proposal at
+every time); the export samples at the training resolution by default (``resolution``, ``bind_resolution``).
 
 With ``dmd_weight`` > 0 this is rCM (``distill.methods.rcm``).
 """
@@ -70,6 +74,9 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
         jvp: str = "autograd",  # "autograd": torch.func.jvp; "finite_difference": central difference
         finite_difference_step: float = 1.0e-3,  # h (TrigFlow time) of method.jvp=finite_difference
         intermediate_times: list[float] | None = None,  # TrigFlow times after t_max for steps 2, ...; None: [1.1]
+        # the training images' side in pixels (conf/method/scm.yaml: data.resolution); read only where the teacher's
+        # scheduler shifts by resolution (Flux): the export samples at that size by default
+        resolution: int | None = None,
         cache_prompts: bool = True,
         sampling: dict | None = None,
         **speed,
@@ -81,15 +88,15 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
         if self.w_dim is not None:
             raise ValueError(f"student.time_cond_proj_dim={self.w_dim}: an sCM student distils the teacher's guidance "
                              "at method.guidance_scale without a guidance input; set student.time_cond_proj_dim=null")
-        if self.student_guidance_embedded or self.teacher_guidance_embedded:
-            raise ValueError(f"{self.teacher_source!r} takes its guidance through an embedding (FLUX.1-dev); "
-                             f"method={self.method_name} serves teachers with classifier-free guidance")
         self.flow = isinstance(self.schedule, FlowMatchingSchedule)
         # rCM's critic partials too (Lightning collects the subclass's arguments as well)
         self.save_hyperparameters(ignore=["teacher", "student", "optimizer", "lr_scheduler", "critic_optimizer",
                                           "critic_lr_scheduler"])
         self.sigma_data, self.p_mean, self.p_std = sigma_data, p_mean, p_std
         self.guidance_scale, self.teacher_free = guidance_scale, teacher_free
+        # FLUX.1-dev's guidance input: the teacher's scale (sCT has no guidance: 1, as ECT gives it)
+        self.embedded_guidance = 1.0 if teacher_free else guidance_scale
+        self.bind_resolution(resolution)  # under a resolution shift (Flux): the export's default size
         self.tangent_normalization, self.tangent_warmup_steps = tangent_normalization, tangent_warmup_steps
         self.jvp, self.finite_difference_step = jvp, finite_difference_step
         self.intermediate_times = tuple(intermediate_times or SCM_INTERMEDIATE_TIMES)
@@ -140,10 +147,16 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
             x0, eps = to_x0_eps(self.schedule.prediction_type, out, x, view["alpha"], view["sigma"])
         return tf.trigflow_from_x0_eps(x0, eps, t, self.sigma_data)
 
+    def guidance_kwargs(self, embedded: bool, n: int, device) -> dict:
+        """The guidance input at ``embedded_guidance`` for ``n`` rows of a network with FLUX.1-dev's embedding
+        (``embedded``); none otherwise."""
+        return self.family.guidance_input(torch.full((n,), self.embedded_guidance, device=device)) if embedded else {}
+
     def trigflow_F(self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """F(x_t, t) of ``network`` (the student), differentiable in (x_t, t) for the JVP."""
         x, time, view = self.network_input(x_t, t)
-        return self.to_trigflow(self.family.denoise(network, x, time, cond).float(), x, t, view)
+        extra = self.guidance_kwargs(self.student_guidance_embedded, len(x), x.device)
+        return self.to_trigflow(self.family.denoise(network, x, time, cond, **extra).float(), x, t, view)
 
     def consistency(self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         """f(x_t, t) = cos(t) x_t - sin(t) sigma_d F (x0 of the student's one step)."""
@@ -151,8 +164,12 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
 
     @torch.no_grad()
     def teacher_F(self, x_t: torch.Tensor, t: torch.Tensor, cond: dict, uncond: dict) -> torch.Tensor:
-        """The teacher's TrigFlow prediction, guided: CFG of its (x0, eps) at ``guidance_scale``."""
+        """The teacher's TrigFlow prediction, guided: CFG of its (x0, eps) at ``guidance_scale``, or one pass at that
+        guidance input of a teacher with FLUX.1-dev's embedding."""
         x, time, view = self.network_input(x_t, t)
+        if self.teacher_guidance_embedded:
+            extra = self.guidance_kwargs(True, len(x), x.device)
+            return self.to_trigflow(self.teacher_forward(x, time, cond, **extra), x, t, view)
         out_c, out_u = self.teacher_cond_uncond(x, time, cond, uncond)
         F_c = self.to_trigflow(out_c, x, t, view)
         if self.guidance_scale == 1.0:
@@ -220,9 +237,13 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
         """The TrigFlow times of the intended call's steps."""
         return self.sampling_scheduler().trigflow_times.tolist()
 
+    def extra_call_defaults(self) -> dict:
+        """A student with FLUX.1-dev's guidance embedding is called at the guidance input it was trained at."""
+        return {"default_guidance_scale": self.embedded_guidance} if self.student_guidance_embedded else {}
+
     def guidance_source(self) -> str:
-        return "no guidance (sCT)" if self.teacher_free else \
-            f"the teacher's classifier-free guidance at scale {self.guidance_scale}"
+        kind = "embedded guidance" if self.teacher_guidance_embedded else "classifier-free guidance"
+        return "no guidance (sCT)" if self.teacher_free else f"the teacher's {kind} at scale {self.guidance_scale}"
 
     def export_info(self) -> dict:
         t_max = self.sampling_times()[0]
@@ -238,8 +259,9 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
 
 
 def _check_scm_config(cfg) -> None:
-    """Before any model is built: the options, the sampler of the teacher's kind (a local teacher's scheduler config)
-    and a step count the intermediate times give."""
+    """Before any model is built: the options, the sampler of the teacher's kind (a local teacher's scheduler config),
+    a step count the intermediate times give and ``method.resolution`` the data's."""
+    from distill.methods.checks import check_resolution
     from distill.methods.dmd2 import _flow_teacher
 
     m = cfg.method
@@ -255,6 +277,7 @@ def _check_scm_config(cfg) -> None:
     if not 1 <= cfg.scheduler.num_inference_steps <= steps:
         raise ValueError(f"scheduler.num_inference_steps={cfg.scheduler.num_inference_steps}: an sCM student samples "
                          f"1 step or up to {steps} with method.intermediate_times; give more intermediate times")
+    check_resolution(cfg)
 
 
 def check_options(sigma_data: float, p_std: float, guidance_scale: float, tangent_normalization: float,
