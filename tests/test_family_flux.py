@@ -303,7 +303,7 @@ def test_a_training_method_on_a_flux_teacher_is_refused_from_its_configs(flux_di
     """Consistency distillation, progressive distillation, ECT and feature distillation serve Flux; another method is
     refused before anything loads, naming the family, the methods that can and what runs on it."""
     assert FluxFamily.methods == ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2",
-                                  "scm", "rcm")
+                                  "scm", "rcm", "meanflow")
     for method in FluxFamily.methods:
         check_method_serves(flux_dir, pipeline_configs(flux_dir), method)
     with pytest.raises(ValueError, match=r"is a 'flux' teacher \(FluxFamily, flow matching\), which "

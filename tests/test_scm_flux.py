@@ -272,3 +272,129 @@ def test_two_cli_steps_on_flux_export_a_student_sampled_from_a_fresh_process(exp
     assert got["shape"] == [1, 1, RESOLUTION, RESOLUTION] and got["scheduler"] == "FlowMatchTrigFlowScheduler"
     expected = 1000 * tf.flow_view(torch.tensor(info["trigflow_times"], dtype=torch.float64), 1.0)[1]
     assert got["timesteps"] == pytest.approx(expected.tolist(), rel=1e-5)
+
+
+# ---------------------------------------------------------------- MeanFlow
+
+
+def _meanflow(folder, **options):
+    from distill.methods.meanflow import MeanFlowDistillation
+    from distill.students.copies import copy_student
+
+    options = {"resolution": RESOLUTION, "guidance_scale": GUIDANCE, **options}
+    return MeanFlowDistillation(load_teacher(str(folder)), copy_student,
+                                lambda params: torch.optim.Adam(params, lr=1e-4), **options)
+
+
+@pytest.mark.parametrize("which", ["dev", "schnell"])
+def test_the_meanflow_flux_student_starts_as_the_teachers_velocity_and_its_jvp_is_a_central_difference(which, folders):
+    """MeanFlowFluxTransformer2DModel at init: u(z, r, t) equals the teacher's velocity v(z, t) bit for bit for any r
+    (the interval embedding starts at zero), at the guidance input 3.5 on dev (where v is also the teacher's target
+    velocity, one pass). After moving the interval embedder, r changes u, and the JVP of u along (dz, 0, 1) and along r
+    alone equals a central difference in float64 (h = 1e-4, within 1e-2 relative)."""
+    method = _meanflow(folders[which])
+    assert type(method.student).__name__ == "MeanFlowFluxTransformer2DModel"
+    cond, uncond = method.text_conditions({"caption": PROMPTS}, 2, "cpu")
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 4, RESOLUTION, RESOLUTION, generator=g)
+    t, r = torch.tensor([0.8, 0.5], dtype=torch.float64), torch.tensor([0.2, 0.5], dtype=torch.float64)
+    extra = method.guidance_kwargs(which == "dev", 2, "cpu")
+    with torch.no_grad():
+        u = method.average_velocity(method.student, z, r, t, cond)
+        v = method.teacher_forward(z, t.float(), cond, **extra)
+        assert torch.equal(u, v) and u.abs().max() > 0
+        if which == "dev":
+            assert torch.equal(method.teacher_velocity(z, t, cond, uncond), v)
+        for p in method.student.interval_embedder.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    student = method.student.double()
+    cond = {k: c.double() for k, c in cond.items()}
+    z = z.double()
+    fn = lambda z, r, t: method.average_velocity(student, z, r, t, cond)  # noqa: E731
+    dz = torch.randn(z.shape, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        assert (fn(z, r, t) - fn(z, r - 0.1, t)).abs().max() > 1e-6
+        for tangents in ((dz, torch.zeros_like(r), torch.ones_like(t)),
+                         (torch.zeros_like(z), torch.ones_like(r), torch.zeros_like(t))):
+            _, jvp = time_derivative(fn, (z, r, t), tangents, networks=[student])
+            _, fd = time_derivative(fn, (z, r, t), tangents, "finite_difference", 1e-4)
+            assert jvp.norm() > 0 and _relative(jvp, fd) < 1e-2, _relative(jvp, fd)
+
+
+@pytest.mark.parametrize("which", ["dev", "schnell"])
+def test_the_meanflow_loss_on_flux_is_the_weighted_residual_at_the_teachers_guidance(which, folders, monkeypatch):
+    """The loss is the mean of sg(w) ||u - sg(v - (t - r) du/dt)||^2 recomputed from the method's terms; its gradient
+    reaches the interval embedder; dev: the teacher is one 2-row pass at guidance 3.5 and the student runs at 3.5;
+    schnell: the teacher is one 4-row (cond, empty prompt) pass for true CFG, no guidance input anywhere."""
+    from distill.diffusion import meanflow as mf
+
+    method = _meanflow(folders[which], ratio_r_neq_t=1.0)
+    calls = _spy(method, monkeypatch)
+    loss = method.loss(_batch(), torch.Generator().manual_seed(0))
+    if which == "dev":
+        assert calls == [("teacher", 2, [GUIDANCE]), ("student", 2, [GUIDANCE]), ("student", 2, [GUIDANCE])]
+    else:
+        assert calls == [("teacher", 4, None), ("student", 2, None), ("student", 2, None)]
+    terms = method.meanflow_terms(_batch(), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        u = method.average_velocity(method.student, terms["z"], terms["r"], terms["t"], terms["cond"])
+    torch.testing.assert_close(loss.detach(), mf.meanflow_loss(u, terms["target"]).mean())
+    loss.backward()
+    assert method.student.interval_embedder.linear_2.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("which", ["dev", "schnell"])
+def test_the_meanflow_flux_export_passes_both_times_one_call_per_step(which, folders, tmp_path):
+    """model_index.json names DistillMeanFlowFluxPipeline, MeanFlowFluxTransformer2DModel and
+    FlowMatchMeanFlowScheduler, with the training side and (dev) guidance 3.5 as the call's defaults;
+    from_pretrained(export)(prompt, 2 steps) calls the transformer twice with 1 row at timestep 1 and 0.5 (FluxPipeline's
+    t / 1000 of 1000 t), intervals 500, 500 and the guidance input 3.5 (dev) or none, and returns the packed
+    z_0 = z_1 - 0.5 u(z_1, 0.5, 1) - 0.5 u(z', 0, 0.5) recomputed by hand."""
+    from diffusers import DiffusionPipeline
+
+    import distill.inference.pipelines  # noqa: F401
+    from distill.diffusion.packing import pack_latents, unpack_latents
+
+    method = _meanflow(folders[which])
+    with torch.no_grad():
+        for p in method.student.interval_embedder.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    export = method.export(tmp_path / "export")
+    index = json.loads((export / "model_index.json").read_text())
+    assert index["_class_name"] == "DistillMeanFlowFluxPipeline"
+    assert index["transformer"] == ["distill.models.meanflow", "MeanFlowFluxTransformer2DModel"]
+    assert index["scheduler"] == ["distill.inference.meanflow", "FlowMatchMeanFlowScheduler"]
+    dev = which == "dev"
+    assert (index["default_num_inference_steps"], index["default_guidance_scale"], index["guidance_distilled"],
+            index["default_sample_size"]) == (1, GUIDANCE if dev else 1.0, not dev, RESOLUTION)
+    assert "DistillMeanFlowFluxPipeline" in (export / "README.md").read_text()
+    pipe = DiffusionPipeline.from_pretrained(export)
+    pipe.set_progress_bar_config(disable=True)
+    calls = []
+    pipe.transformer.register_forward_hook(lambda m, a, kw, out: calls.append(
+        (len(kw["hidden_states"]), float(kw["timestep"][0]), float(kw["interval"][0]),
+         None if kw["guidance"] is None else float(kw["guidance"][0]))), with_kwargs=True)
+    z1 = torch.randn(1, 4, RESOLUTION, RESOLUTION, generator=torch.Generator().manual_seed(3))
+    out = pipe(PROMPTS[0], num_inference_steps=2, latents=pack_latents(z1), output_type="latent").images
+    guidance = GUIDANCE if dev else None
+    assert calls == [(1, 1.0, 500.0, guidance), (1, 0.5, 500.0, guidance)]
+    cond, _ = method.text_conditions({"caption": PROMPTS[:1]}, 1, "cpu")
+    at = lambda v: torch.full((1,), v, dtype=torch.float64)  # noqa: E731
+    with torch.no_grad():
+        z = z1 - 0.5 * method.average_velocity(method.student, z1, at(0.5), at(1.0), cond)
+        z = z - 0.5 * method.average_velocity(method.student, z, at(0.0), at(0.5), cond)
+    torch.testing.assert_close(unpack_latents(out, RESOLUTION, RESOLUTION), z, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["dev", "schnell"])
+def test_two_cli_steps_of_meanflow_flux_export_a_student_sampled_from_a_fresh_process(which, folders, tmp_path):
+    """+exp=meanflow_flux on the Flux stand-ins: two steps move the interval embedder from zero; the export's default
+    call in a fresh process runs one transformer call of 1 row (1 step, timestep 1000) with finite, non-constant
+    images of the training side."""
+    run_dir = _train(tmp_path, "meanflow_flux", folders[which], "method.ratio_r_neq_t=1.0")
+    state = safe_load(run_dir / "checkpoints" / "last.ckpt")
+    assert state["global_step"] == 2 and state["state_dict"]["student.interval_embedder.linear_2.weight"].abs().sum() > 0
+    got = _fresh_sample(run_dir / "export")
+    assert (got["calls"], got["rows"], got["timesteps"]) == (1, 1, [1000.0]) and got["finite"] and got["std"] > 0
+    assert got["shape"] == [1, 1, RESOLUTION, RESOLUTION] and got["scheduler"] == "FlowMatchMeanFlowScheduler"

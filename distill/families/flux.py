@@ -32,6 +32,12 @@ transformer with some double- and single-stream blocks kept (``student=shallow``
 (``block_feature``) matched to those of its evenly spaced teacher block of the same kind (``feature_block_pairs``),
 t drawn logit-normal and shifted by the training resolution's mu, teacher and student both at the export's embedded
 guidance (FLUX.1-dev) or without guidance (FLUX.1-schnell), sampled as the teacher: FluxPipeline's 28 Euler steps.
+
+sCM, rCM and MeanFlow (``+exp=scm_flux``, ``+exp=rcm_flux``, ``+exp=meanflow_flux``; docs/scm.md) take the JVP through
+``denoise``; a FLUX.1-dev teacher's tangent or velocity is one pass at its guidance input, at which the student is
+called too, and a teacher without the embedding is guided by true CFG. MeanFlow's student and export are
+``MeanFlowFluxTransformer2DModel`` and ``DistillMeanFlowFluxPipeline`` (``distill.models.meanflow``,
+``distill.inference.meanflow``).
 """
 
 from __future__ import annotations
@@ -151,7 +157,8 @@ class FluxFamily(ModelFamily):
     denoiser_component = "transformer"
     call_inputs = {"encoder_hidden_states": "prompt_embeds", "pooled_projections": "pooled_prompt_embeds"}
     # their time grids and exports at the training resolution's shift (resolution_shift)
-    methods = ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2", "scm", "rcm")
+    methods = ("consistency", "progressive", "consistency_training", "feature_distillation", "dmd2", "scm", "rcm",
+               "meanflow")
     flow_matching = True
     classifier_free_guidance = False  # FluxPipeline passes guidance_scale to the transformer (guidance_input)
     resolution_shift = True  # FluxPipeline shifts by mu of the packed token count (shift_mu)

@@ -2,8 +2,8 @@
 pipeline whose loop passes the denoiser both times, its timestep at t and the interval 1000 (t - r) (a stock pipeline
 passes one timestep): one network call per step.
 
-- flow transformer (SD3 family): ``FlowMatchMeanFlowScheduler`` (t_0 = 1, timesteps 1000 t) and
-  ``DistillMeanFlowSD3Pipeline``;
+- flow transformer (SD3, Flux): ``FlowMatchMeanFlowScheduler`` (t_0 = 1, timesteps 1000 t) and
+  ``DistillMeanFlowSD3Pipeline`` / ``DistillMeanFlowFluxPipeline`` (packed latents, FLUX.1-dev's guidance input);
 - VP UNet (SD family): ``MeanFlowScheduler`` (t_0 at the UNet's largest noise level sigma_max / (1 + sigma_max); the
   UNet sees the VP sample c z_t at its timestep of noise level t / (1 - t), and its (x0, eps) give u = eps - x0) and
   ``DistillMeanFlowPipeline``.
@@ -15,6 +15,7 @@ import diffusers
 import torch
 from diffusers import ConfigMixin, DDPMScheduler, SchedulerMixin
 from diffusers.configuration_utils import register_to_config
+from diffusers.pipelines.flux.pipeline_output import FluxPipelineOutput
 from diffusers.pipelines.stable_diffusion.pipeline_output import StableDiffusionPipelineOutput
 from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusion3PipelineOutput
 from diffusers.schedulers.scheduling_lcm import LCMSchedulerOutput
@@ -24,6 +25,7 @@ from distill.diffusion import meanflow as mf
 from distill.diffusion import to_x0_eps
 from distill.diffusion.meanflow import meanflow_step
 from distill.diffusion.schedules import vp_sigmas, vp_timestep
+from distill.families.flux import DistillFluxPipeline
 from distill.families.sd3 import DistillSD3Pipeline
 from distill.inference.intended_call import DistillTextToImagePipeline
 from distill.models.meanflow import interval_condition
@@ -106,6 +108,52 @@ class DistillMeanFlowSD3Pipeline(DistillSD3Pipeline):
             image = self.image_processor.postprocess(self.vae.decode(z, return_dict=False)[0], output_type=output_type)
         self.maybe_free_model_hooks()
         return StableDiffusion3PipelineOutput(images=image) if return_dict else (image,)
+
+
+class DistillMeanFlowFluxPipeline(DistillFluxPipeline):
+    """A ``DistillFluxPipeline`` whose denoiser is a MeanFlow network (``MeanFlowFluxTransformer2DModel``): each step
+    calls it once, as ``FluxPipeline`` calls the transformer (packed latents, ``timestep / 1000``, the guidance input
+    where it has FLUX.1-dev's embedding), with the interval 1000 (t - r), and jumps z_r = z_t - (t - r) u. No CFG
+    pass: the guidance is distilled in (``guidance_distilled``) or taken through the embedding."""
+
+    @torch.no_grad()
+    def __call__(self, prompt=None, num_inference_steps: int | None = None, guidance_scale: float | None = None,
+                 height: int | None = None, width: int | None = None, num_images_per_prompt: int = 1,
+                 generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
+                 prompt_embeds: torch.Tensor | None = None, pooled_prompt_embeds: torch.Tensor | None = None,
+                 output_type: str = "pil", return_dict: bool = True, max_sequence_length: int | None = None,
+                 callback_on_step_end=None, **kwargs):
+        steps = num_inference_steps or self.config.default_num_inference_steps
+        height = height or self.default_sample_size * self.vae_scale_factor
+        width = width or self.default_sample_size * self.vae_scale_factor
+        device = self._execution_device
+        prompt_embeds, pooled, text_ids = self.encode_prompt(
+            prompt=prompt, prompt_2=None, prompt_embeds=prompt_embeds, pooled_prompt_embeds=pooled_prompt_embeds,
+            device=device, num_images_per_prompt=num_images_per_prompt,
+            max_sequence_length=max_sequence_length or self.config.default_max_sequence_length)
+        z, image_ids = self.prepare_latents(len(prompt_embeds), self.transformer.config.in_channels // 4, height, width,
+                                            prompt_embeds.dtype, device, generator, latents)  # (N, T, 4C) packed
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            scale = self.config.default_guidance_scale if guidance_scale is None else guidance_scale
+            guidance = torch.full((len(z),), scale, device=device, dtype=torch.float32)
+        self.scheduler.set_timesteps(steps, device=device)
+        for i, (timestep, interval) in enumerate(zip(self.scheduler.timesteps, self.scheduler.intervals)):
+            u = self.transformer(hidden_states=z, timestep=timestep.expand(len(z)).to(z.dtype) / 1000,
+                                 interval=interval.expand(len(z)), guidance=guidance, pooled_projections=pooled,
+                                 encoder_hidden_states=prompt_embeds, txt_ids=text_ids, img_ids=image_ids,
+                                 return_dict=False)[0]
+            z = self.scheduler.step(u, timestep, z, return_dict=False)[0]
+            if callback_on_step_end is not None:
+                z = callback_on_step_end(self, i, timestep, {"latents": z}).pop("latents", z)
+        if output_type == "latent":
+            image = z
+        else:
+            z = self._unpack_latents(z, height, width, self.vae_scale_factor)
+            z = z / self.vae.config.scaling_factor + self.vae.config.shift_factor
+            image = self.image_processor.postprocess(self.vae.decode(z, return_dict=False)[0], output_type=output_type)
+        self.maybe_free_model_hooks()
+        return FluxPipelineOutput(images=image) if return_dict else (image,)
 
 
 class MeanFlowScheduler(SchedulerMixin, ConfigMixin):
@@ -200,5 +248,14 @@ class DistillMeanFlowPipeline(DistillTextToImagePipeline):
         return StableDiffusionPipelineOutput(images=image, nsfw_content_detected=None) if return_dict else (image,)
 
 
-for _cls in (FlowMatchMeanFlowScheduler, DistillMeanFlowSD3Pipeline, MeanFlowScheduler, DistillMeanFlowPipeline):
+for _cls in (FlowMatchMeanFlowScheduler, DistillMeanFlowSD3Pipeline, DistillMeanFlowFluxPipeline, MeanFlowScheduler,
+             DistillMeanFlowPipeline):
     setattr(diffusers, _cls.__name__, _cls)  # make_scheduler and from_pretrained resolve the class there
+
+
+def meanflow_pipeline_class(family_pipeline: type) -> type:
+    """The MeanFlow export class of a family's pipeline class: Flux's, SD3's, else the UNet one."""
+    for base, cls in ((DistillFluxPipeline, DistillMeanFlowFluxPipeline), (DistillSD3Pipeline, DistillMeanFlowSD3Pipeline)):
+        if issubclass(family_pipeline, base):
+            return cls
+    return DistillMeanFlowPipeline
