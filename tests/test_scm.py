@@ -196,6 +196,26 @@ def test_the_scd_tangent_on_a_gaussian_toy_is_the_analytic_derivative_and_vanish
     assert tf.scm_tangent(F, dF_off, x_t, dx_dt, t, sigma_d).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("sigma_d", [0.5, 1.0])
+def test_the_time_proposal_draws_the_papers_noise_to_signal_ratios_at_any_sigma_d(sd_dir, sigma_d):
+    """sCM states P_mean = -0.8, P_std = 1.6 for data of std sigma_d = 0.5: the median sigma / sigma_d is
+    e^-0.8 / 0.5 = 0.90. On SD-format latents (sigma_d = 1) the same ratios need log sigma's mean at -0.8 + log 2 (it
+    was -0.8: median ratio 0.45, half the paper's noise). The draws' median of tan t = sigma / sigma_d is the
+    truncated lognormal's, truncated to the teacher's noise range, computed here from the paper's own numbers."""
+    import math
+
+    from scipy.stats import norm
+
+    method = _method(sd_dir, sigma_data=sigma_d)
+    assert method.proposal_mean == pytest.approx(-0.8 + math.log(sigma_d / 0.5), abs=1e-12)
+    ratio = method.draw_trigflow_times(40_000, torch.Generator().manual_seed(0)).tan()
+    lo, hi = (v / sigma_d for v in method.noise_range())  # the range as ratios sigma / sigma_d
+    paper = (math.log(0.5 * lo) + 0.8) / 1.6, (math.log(0.5 * hi) + 0.8) / 1.6  # the paper's z of the two ends
+    median = math.exp(-0.8 + 1.6 * norm.ppf((norm.cdf(paper[0]) + norm.cdf(paper[1])) / 2)) / 0.5
+    assert float(ratio.median()) == pytest.approx(median, rel=0.03)
+    assert 0.7 < median < 1.0  # about the paper's untruncated 0.90
+
+
 def test_the_tangent_stabilisers_and_the_adaptive_weighting_are_the_papers():
     """Warm-up r = min(1, step / H); g / (||g|| + c) per example; loss e^w / D ||F - F- - g||^2 - w, whose minimum in
     w is at e^w = D / ||.||^2 (the weighting learns the inverse loss scale); w(t) starts at 0."""

@@ -11,7 +11,8 @@ with sigma_d = 1 a VP teacher's sample is x_t itself.
 
 One training step (sCM Algorithm 1, sCD):
 
-- sigma ~ lognormal(p_mean, p_std) truncated to the teacher's noise range, t = arctan(sigma / sigma_d);
+- sigma ~ lognormal(p_mean + log(sigma_d / 0.5), p_std) truncated to the teacher's noise range (the paper's P_mean is
+  stated for data of std 0.5), t = arctan(sigma / sigma_d);
 - dx_t/dt = sigma_d F_teacher(x_t, t), the teacher's classifier-free guided prediction at ``guidance_scale``
   converted to TrigFlow (a teacher with FLUX.1-dev's guidance embedding: one pass at that guidance input, and the
   student is called at the same input; with ``teacher_free``: the path's own cos(t) z - sin(t) x0, sCT);
@@ -50,6 +51,8 @@ from distill.methods.distillation import TeacherStudentDistillation
 from distill.models.moe import no_routing_record
 from distill.models.teacher import Teacher
 
+SCM_PAPER_SIGMA_DATA = 0.5  # the data std at which sCM states its proposal (P_mean, P_std)
+
 
 @METHODS.register("scm", choices={"jvp": JVP_MODES})
 class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
@@ -64,7 +67,9 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
         optimizer: Callable,
         lr_scheduler: Callable | None = None,
         sigma_data: float = 1.0,  # TrigFlow's data std (SD-format latents are scaled to ~1; the paper's pixels: 0.5)
-        p_mean: float = -0.8,  # log sigma ~ N(p_mean, p_std^2): sCM's proposal for sCD (ImageNet 512)
+        # sCM's proposal for sCD (ImageNet 512): log sigma ~ N(p_mean, p_std^2) at the paper's sigma_d = 0.5; at another
+        # sigma_d the mean moves by log(sigma_d / 0.5), so that sigma / sigma_d (the SNR) is drawn as in the paper
+        p_mean: float = -0.8,
         p_std: float = 1.6,
         guidance_scale: float = 3.0,  # the teacher's CFG scale in dx_t/dt (distilled in: the student has no w input)
         teacher_free: bool = False,  # sCT: dx_t/dt = cos(t) z - sin(t) x0, the teacher never runs
@@ -179,10 +184,18 @@ class ContinuousTimeConsistencyDistillation(TeacherStudentDistillation):
     # ------------------------------------------------------------------ objective
 
     def draw_trigflow_times(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """(n,) TrigFlow times t = arctan(sigma / sigma_d), sigma lognormal truncated to ``noise_range`` (float64)."""
+        """(n,) TrigFlow times t = arctan(sigma / sigma_d), sigma lognormal truncated to ``noise_range`` (float64), its
+        log-mean ``proposal_mean``."""
         m = self.distinct_rows(n)
-        sigma = ct.truncated_lognormal_sigmas(m, *self.noise_range(), self.p_mean, self.p_std, generator)
+        sigma = ct.truncated_lognormal_sigmas(m, *self.noise_range(), self.proposal_mean, self.p_std, generator)
         return self.paired(tf.time_at(sigma, self.sigma_data), n)
+
+    @property
+    def proposal_mean(self) -> float:
+        """The mean of log sigma: ``p_mean`` (stated at sCM's sigma_d = 0.5) + log(sigma_d / 0.5). The paper's values
+        are for data of std 0.5; on SD-format latents (sigma_d = 1) the same noise-to-signal ratios need sigma twice
+        as large (with sigma_d = 1 the median sigma / sigma_d is 0.90, as the paper's, not 0.45)."""
+        return self.p_mean + math.log(self.sigma_data / SCM_PAPER_SIGMA_DATA)
 
     def tangent_scale(self) -> float:
         """r of the tangent warm-up at this step."""
